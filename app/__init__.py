@@ -1,0 +1,6 @@
+"""The HTTP side of minserve: an OpenAI-compatible API on Ray Serve.
+
+Modules: protocol (request/response models), ingress (FastAPI routes), engine_deployment (one
+AsyncEngine per replica), sse (streaming and non-streaming response assembly), metrics (Ray Serve
+metrics), builder (the `serve run` entry point). Nothing here is imported by engine/.
+"""

@@ -1,0 +1,91 @@
+"""Serving metrics through ray.serve.metrics, exported at Ray's metrics port with a `ray_` prefix.
+
+Histograms are observed per request (TTFT, queue time, end-to-end) and per engine step (inter-token
+latency) from the engine's own timestamps. Counters and gauges come from `AsyncEngine.stats()`, polled
+by the engine deployment: counters advance by the difference between two polls of the engine's running
+totals, so a poll that is missed or late loses nothing. Ray adds the application, deployment and
+replica tags; we add `model`. Prometheus names (Ray appends `_total` to counters):
+ray_minserve_{time_to_first_token,inter_token_latency,e2e_request_latency,queue_time}_seconds,
+ray_minserve_{prompt_tokens,generation_tokens,preemptions,aborts,errors}_total,
+ray_minserve_{num_running,num_waiting,kv_blocks_used,kv_blocks_total,prefix_cache_hit_rate,
+ongoing_requests}.
+"""
+
+from __future__ import annotations
+
+from ray.serve.metrics import Counter, Gauge, Histogram
+
+from engine.outputs import RequestOutput
+
+_LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
+_ITL_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.0, 2.5]
+_E2E_BUCKETS = [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0]
+
+# stats() key -> counter name; the engine reports running totals since start.
+_COUNTERS = {
+    "prompt_tokens_total": ("minserve_prompt_tokens", "Prompt tokens processed."),
+    "generation_tokens_total": ("minserve_generation_tokens", "Tokens generated."),
+    "num_preemptions": ("minserve_preemptions", "Sequences preempted for lack of KV blocks."),
+    "num_aborts": ("minserve_aborts", "Requests aborted (client disconnects included)."),
+    "num_errors": ("minserve_errors", "Requests that finished with an engine error."),
+}
+# stats() key -> gauge name
+_GAUGES = {
+    "num_running": ("minserve_num_running", "Requests being generated."),
+    "num_waiting": ("minserve_num_waiting", "Requests queued in the scheduler."),
+    "kv_blocks_used": ("minserve_kv_blocks_used", "KV cache blocks in use."),
+    "kv_blocks_total": ("minserve_kv_blocks_total", "KV cache blocks in the pool."),
+    "prefix_cache_hit_rate": ("minserve_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache."),
+}
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str):
+        tags = {"model": model_name}
+
+        def histogram(name: str, text: str, buckets: list[float]) -> Histogram:
+            h = Histogram(name, description=text, boundaries=buckets, tag_keys=("model",))
+            h.set_default_tags(tags)
+            return h
+
+        self.ttft = histogram("minserve_time_to_first_token_seconds", "Arrival to first token.", _LATENCY_BUCKETS)
+        self.itl = histogram("minserve_inter_token_latency_seconds", "Time between engine steps.", _ITL_BUCKETS)
+        self.e2e = histogram("minserve_e2e_request_latency_seconds", "Arrival to finish.", _E2E_BUCKETS)
+        self.queue = histogram("minserve_queue_time_seconds", "Arrival to first scheduled.", _LATENCY_BUCKETS)
+        self._counters = {key: Counter(name, description=text, tag_keys=("model",)) for key, (name, text)
+                          in _COUNTERS.items()}
+        self._gauges = {key: Gauge(name, description=text, tag_keys=("model",)) for key, (name, text)
+                        in _GAUGES.items()}
+        self.ongoing = Gauge("minserve_ongoing_requests", description="Streams open in this replica.",
+                             tag_keys=("model",))
+        for metric in [*self._counters.values(), *self._gauges.values(), self.ongoing]:
+            metric.set_default_tags(tags)
+        self._last_totals: dict[str, float] = {}
+
+    def observe_finished(self, out: RequestOutput) -> None:
+        """Per-request latencies from the engine's timestamps (all time.time(), so differences are valid)."""
+        m = out.metrics
+        if m is None:
+            return
+        if m.first_token_time is not None:
+            self.ttft.observe(max(0.0, m.first_token_time - m.arrival_time))
+        if m.first_scheduled_time is not None:
+            self.queue.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
+        if m.finished_time is not None:
+            self.e2e.observe(max(0.0, m.finished_time - m.arrival_time))
+
+    def observe_itl(self, seconds: float) -> None:
+        self.itl.observe(seconds)
+
+    def update(self, stats: dict, ongoing: int) -> None:
+        """Gauges from one stats() snapshot; counters by the growth of the engine's totals."""
+        for key, gauge in self._gauges.items():
+            if key in stats:
+                gauge.set(float(stats[key]))
+        self.ongoing.set(float(ongoing))
+        for key, counter in self._counters.items():
+            total = float(stats.get(key, 0))
+            delta = total - self._last_totals.get(key, 0.0)
+            if delta > 0:
+                counter.inc(delta)
+            self._last_totals[key] = total

@@ -1,0 +1,27 @@
+"""The inference engine: models, paged KV cache, scheduler, runner, sampler. No network, no Ray.
+
+    from engine import LLM, SamplingParams
+    LLM("models/tiny-llama").generate(["Hello"], SamplingParams(max_tokens=8))
+"""
+
+from engine.sampling_params import BudgetForcing, SamplingParams, ToolConfig
+
+
+def __getattr__(name: str):
+    # Lazy: importing `engine` for SamplingParams must not load torch-heavy modules.
+    if name == "LLM":
+        from engine.llm import LLM
+
+        return LLM
+    if name == "LLMEngine":
+        from engine.llm_engine import LLMEngine
+
+        return LLMEngine
+    if name == "AsyncEngine":
+        from engine.async_engine import AsyncEngine
+
+        return AsyncEngine
+    raise AttributeError(name)
+
+
+__all__ = ["LLM", "LLMEngine", "AsyncEngine", "SamplingParams", "ToolConfig", "BudgetForcing"]

@@ -1,0 +1,195 @@
+"""Paged KV-cache bookkeeping: which physical blocks each sequence owns. Pure Python, no torch.
+
+Invariants
+  * Block `b` holds positions [i * block_size, (i + 1) * block_size) of every sequence whose
+    block_table[i] == b. ref_count[b] is the number of such sequences.
+  * A block with ref_count 0 is free. Free blocks that still carry a content hash stay findable in the
+    prefix cache until they are evicted (LRU: least recently freed first); free blocks without a hash
+    are always handed out before any cached block is evicted.
+  * Only *full* blocks whose tokens are all computed are hashed. The hash chains the previous block's
+    hash with this block's token ids, so equal hashes mean equal whole prefixes.
+  * A sequence never writes into a block it shares (ref_count > 1): `prepare_append` replaces such a
+    block by a private copy first (copy-on-write) and reports the copy for the runner to perform.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+
+def chain_hash(parent: int | None, tokens: Seq[int]) -> int:
+    """Content hash of one full block given the hash of the block before it (None for the first)."""
+    return hash((parent, tuple(tokens)))
+
+
+@dataclass
+class BlockTable:
+    """One sequence's view of the pool: its physical blocks and the hashes of its full prefix blocks."""
+
+    blocks: list[int] = field(default_factory=list)
+    hashes: list[int] = field(default_factory=list)  # hashes[i] is the chain hash of blocks[i]
+
+    def copy(self) -> BlockTable:
+        return BlockTable(list(self.blocks), list(self.hashes))
+
+
+class NoFreeBlocksError(RuntimeError):
+    pass
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_count = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.cached: dict[int, int] = {}  # content hash -> block id
+        self.free_uncached: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() takes block 0 first
+        self.free_cached: OrderedDict[int, None] = OrderedDict()  # LRU order: first = evicted first
+        self.prefix_queries = 0  # blocks looked up in the prefix cache
+        self.prefix_hits = 0
+
+    # ------------------------------------------------------------------ capacity
+    @property
+    def num_free(self) -> int:
+        return len(self.free_uncached) + len(self.free_cached)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - self.num_free
+
+    def blocks_needed(self, table: BlockTable, num_tokens: int) -> int:
+        """New blocks a sequence needs to hold `num_tokens` positions (copy-on-write not counted)."""
+        return max(0, -(-num_tokens // self.block_size) - len(table.blocks))
+
+    # ------------------------------------------------------------------ prefix cache
+    def match_prefix(self, table: BlockTable, token_ids: Seq[int]) -> int:
+        """Attach cached full blocks matching the start of `token_ids` to an empty table.
+
+        At most (len - 1) // block_size blocks are matched, so the last token is always computed
+        (its logits are needed) and no matched block is ever written to. Returns cached tokens.
+        """
+        assert not table.blocks, "match_prefix needs an empty block table"
+        if not self.enable_prefix_caching:
+            return 0
+        parent = None
+        for i in range((len(token_ids) - 1) // self.block_size):
+            self.prefix_queries += 1
+            h = chain_hash(parent, token_ids[i * self.block_size : (i + 1) * self.block_size])
+            block = self.cached.get(h)
+            if block is None:
+                break
+            self.prefix_hits += 1
+            self._take(block)
+            table.blocks.append(block)
+            table.hashes.append(h)
+            parent = h
+        return len(table.blocks) * self.block_size
+
+    def register_full_blocks(self, table: BlockTable, token_ids: Seq[int], num_computed: int) -> None:
+        """Hash every block that is now full of computed tokens and publish it in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        full = min(num_computed // self.block_size, len(table.blocks))
+        for i in range(len(table.hashes), full):
+            parent = table.hashes[i - 1] if i else None
+            h = chain_hash(parent, token_ids[i * self.block_size : (i + 1) * self.block_size])
+            table.hashes.append(h)
+            block = table.blocks[i]
+            if h not in self.cached and self.block_hash[block] is None:
+                self.cached[h] = block
+                self.block_hash[block] = h
+
+    # ------------------------------------------------------------------ allocation
+    def _take(self, block: int) -> None:
+        """Add one reference; a free cached block leaves the LRU list."""
+        if self.ref_count[block] == 0:
+            self.free_cached.pop(block, None)
+        self.ref_count[block] += 1
+
+    def _allocate(self) -> int:
+        if self.free_uncached:
+            block = self.free_uncached.pop()
+        elif self.free_cached:
+            block, _ = self.free_cached.popitem(last=False)  # evict the least recently freed
+            del self.cached[self.block_hash[block]]
+            self.block_hash[block] = None
+        else:
+            raise NoFreeBlocksError("KV pool exhausted")
+        self.ref_count[block] = 1
+        return block
+
+    def _release(self, block: int) -> None:
+        self.ref_count[block] -= 1
+        assert self.ref_count[block] >= 0, f"block {block} released twice"
+        if self.ref_count[block] == 0:
+            if self.block_hash[block] is not None:
+                self.free_cached[block] = None
+            else:
+                self.free_uncached.append(block)
+
+    def can_append(self, table: BlockTable, start: int, num_new: int) -> bool:
+        """Would prepare_append(table, start, num_new) succeed right now?"""
+        need = self.blocks_needed(table, start + num_new)
+        need += len(self._shared_in_range(table, start, start + num_new))
+        return need <= self.num_free
+
+    def _shared_in_range(self, table: BlockTable, start: int, end: int) -> list[int]:
+        """Indices of existing table entries that positions [start, end) would write and that are shared."""
+        first, last = start // self.block_size, min((end - 1) // self.block_size, len(table.blocks) - 1)
+        return [i for i in range(first, last + 1) if self.ref_count[table.blocks[i]] > 1]
+
+    def prepare_append(self, table: BlockTable, start: int, num_new: int) -> list[tuple[int, int]]:
+        """Make positions [start, start + num_new) writable: copy shared blocks, add missing blocks.
+
+        Returns (src, dst) block copies the runner must perform before the forward pass.
+        """
+        if not self.can_append(table, start, num_new):
+            raise NoFreeBlocksError("KV pool exhausted")
+        copies = []
+        for i in self._shared_in_range(table, start, start + num_new):
+            src = table.blocks[i]
+            dst = self._allocate()
+            self._release(src)
+            table.blocks[i] = dst
+            del table.hashes[i:]  # a written block is no longer the hashed one
+            copies.append((src, dst))
+        for _ in range(self.blocks_needed(table, start + num_new)):
+            table.blocks.append(self._allocate())
+        return copies
+
+    def fork(self, table: BlockTable) -> BlockTable:
+        """A child sharing every block of `table` (n > 1 samples: prefill once, then replicate)."""
+        for block in table.blocks:
+            self._take(block)
+        return table.copy()
+
+    def free(self, table: BlockTable) -> None:
+        """Drop the table's references, tail first so a prefix outlives its tail in the LRU order."""
+        for block in reversed(table.blocks):
+            self._release(block)
+        table.blocks.clear()
+        table.hashes.clear()
+
+    # ------------------------------------------------------------------ checks
+    def audit(self, live_tables: list[BlockTable]) -> list[str]:
+        """Compare reference counts with the live tables; any difference is a leak or a double free."""
+        expected = [0] * self.num_blocks
+        for table in live_tables:
+            for block in table.blocks:
+                expected[block] += 1
+        problems = [
+            f"block {b}: ref_count {self.ref_count[b]} but {expected[b]} live references"
+            for b in range(self.num_blocks)
+            if expected[b] != self.ref_count[b]
+        ]
+        free = set(self.free_uncached) | set(self.free_cached)
+        if len(free) != self.num_free:
+            problems.append("a block is listed twice in the free lists")
+        problems += [f"block {b} is free but referenced" for b in free if self.ref_count[b]]
+        problems += [f"block {b} is neither free nor referenced" for b in range(self.num_blocks)
+                     if not self.ref_count[b] and b not in free]
+        return problems

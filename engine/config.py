@@ -1,0 +1,90 @@
+"""Engine configuration: one validated dataclass per component, built once.
+
+Values discovered at run time (the number of KV blocks that fit) live in `KVCacheSpec`
+(engine/kv_cache.py), never in these configs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def _require(ok: bool, field: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"{field}: {message}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048  # token budget of one step (decodes first, prefill chunks fill the rest)
+    max_num_seqs: int = 256  # running sequences at once
+    max_waiting: int = 1024  # queued requests beyond which add_request raises QueueFullError
+    max_wait_steps: int = 0  # 0: strict FCFS; otherwise reserved for bounded-wait policies
+
+    def __post_init__(self) -> None:
+        _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
+        _require(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
+        _require(self.max_waiting >= 1, "max_waiting", "must be >= 1")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.85  # fraction of total GPU memory the engine may use (weights + KV)
+    cpu_kv_cache_bytes: int = 256 * 2**20  # KV budget on CPU
+    num_blocks: int | None = None  # override: exactly this many blocks (tests force preemption with it)
+
+    def __post_init__(self) -> None:
+        _require(self.block_size >= 1, "block_size", "must be >= 1")
+        _require(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "must be in (0, 1]")
+        _require(self.cpu_kv_cache_bytes > 0, "cpu_kv_cache_bytes", "must be > 0")
+        _require(self.num_blocks is None or self.num_blocks >= 1, "num_blocks", "must be >= 1 or None")
+
+
+@dataclass(frozen=True)
+class ModelLoadConfig:
+    model: str  # a local HF-format checkpoint directory
+    dtype: str = "auto"  # auto: bf16 on GPU, fp32 on CPU; or float32 / float16 / bfloat16 / float64
+    device: str = "auto"  # auto: cuda when available, else cpu
+    max_model_len: int | None = None  # default: the checkpoint's max_position_embeddings, capped at 8192
+    seed: int = 0
+    enforce_eager: bool = False  # disable CUDA-graph decode
+
+    def __post_init__(self) -> None:
+        _require(bool(self.model), "model", "give the path of a local checkpoint directory")
+        allowed = {"auto", "float32", "float16", "bfloat16", "float64"}
+        _require(self.dtype in allowed, "dtype", f"must be one of {sorted(allowed)}")
+        _require(self.device in {"auto", "cpu", "cuda"} or self.device.startswith("cuda:"), "device",
+                 "must be auto, cpu, cuda or cuda:N")
+        _require(self.max_model_len is None or self.max_model_len >= 1, "max_model_len", "must be >= 1")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    load: ModelLoadConfig
+    scheduler: SchedulerConfig = SchedulerConfig()
+    cache: CacheConfig = CacheConfig()
+    fault_injection: bool = False  # test-only hooks (engine/faults.py); never enable in production
+
+    @staticmethod
+    def from_kwargs(model: str, **kwargs) -> EngineConfig:
+        """Flat keyword form used by LLM(...) and the server: LLM(path, block_size=4, max_num_seqs=8)."""
+        parts: dict[type, dict] = {ModelLoadConfig: {}, SchedulerConfig: {}, CacheConfig: {}}
+        top = {}
+        for key, value in kwargs.items():
+            for cls, bucket in parts.items():
+                if key in cls.__dataclass_fields__:
+                    bucket[key] = value
+                    break
+            else:
+                if key in ("fault_injection",):
+                    top[key] = value
+                else:
+                    raise ValueError(f"unknown engine option {key!r}")
+        return EngineConfig(
+            load=ModelLoadConfig(model=model, **parts[ModelLoadConfig]),
+            scheduler=SchedulerConfig(**parts[SchedulerConfig]),
+            cache=CacheConfig(**parts[CacheConfig]),
+            **top,
+        )

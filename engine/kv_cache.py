@@ -1,0 +1,63 @@
+"""The KV-cache pool: how many blocks fit (a run-time value, never a config field) and the tensors.
+
+Per layer, k_cache and v_cache are [num_blocks, block_size, num_kv_heads, head_dim]; block b of every
+layer holds the same token positions, so one block table serves all layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import CacheConfig
+from engine.model_config import ModelConfig
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    num_blocks: int
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_block(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+
+def plan_kv_cache(
+    cache: CacheConfig, model: ModelConfig, dtype: torch.dtype, device: torch.device, activation_bytes: int = 0
+) -> KVCacheSpec:
+    """Size the pool: an explicit block count, else a byte budget on CPU, else a fraction of GPU memory
+    minus what the weights and the profiled activation peak already take."""
+    spec = KVCacheSpec(0, cache.block_size, model.num_layers, model.num_kv_heads, model.head_dim, dtype)
+    if cache.num_blocks is not None:
+        num_blocks = cache.num_blocks
+    elif device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        free_for_kv = total * cache.gpu_memory_utilization - torch.cuda.memory_allocated(device)
+        num_blocks = int((free_for_kv - activation_bytes) // spec.bytes_per_block)
+    else:
+        num_blocks = cache.cpu_kv_cache_bytes // spec.bytes_per_block
+    if num_blocks < 1:
+        raise RuntimeError(
+            f"no room for the KV cache ({spec.bytes_per_block} bytes per block): raise "
+            "gpu_memory_utilization / cpu_kv_cache_bytes, or use a smaller model or max_num_batched_tokens"
+        )
+    return KVCacheSpec(num_blocks, cache.block_size, model.num_layers, model.num_kv_heads, model.head_dim, dtype)
+
+
+def allocate_kv_cache(spec: KVCacheSpec, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    shape = (spec.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+    return [
+        (torch.zeros(shape, dtype=spec.dtype, device=device), torch.zeros(shape, dtype=spec.dtype, device=device))
+        for _ in range(spec.num_layers)
+    ]

@@ -1,0 +1,69 @@
+"""Offline API: `LLM(model_path, **config).generate(prompts, params)`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tqdm import tqdm
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine, Prompt
+from engine.outputs import RequestOutput, TokenLogprob
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    token_masks: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class GenerationResult:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    cached_tokens: int = 0
+
+    def absorb(self, out: RequestOutput) -> None:
+        """Fold one incremental RequestOutput into the accumulated result."""
+        self.cached_tokens = out.cached_tokens
+        for d in out.outputs:
+            o = self.outputs[d.index]
+            o.token_ids += d.token_ids
+            o.text += d.text
+            o.token_masks += d.token_masks
+            if d.logprobs is not None:
+                o.logprobs = (o.logprobs or []) + d.logprobs
+            o.finish_reason = d.finish_reason or o.finish_reason
+            o.error = d.error or o.error
+
+
+class LLM:
+    def __init__(self, model: str, **config):
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model, **config))
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[GenerationResult]:
+        """One result per prompt, in order. A prompt is a string, token ids, or chat messages."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, dict))):
+            prompts = [prompts]
+        params = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        results: dict[str, GenerationResult] = {}
+        for prompt, p in zip(prompts, params, strict=True):
+            rid = self.engine.add_request(prompt, p)
+            ids = self.engine.requests[rid].prompt_ids
+            results[rid] = GenerationResult(rid, ids, [CompletionOutput(i) for i in range(p.n)])
+        bar = tqdm(total=len(results), disable=not use_tqdm, desc="generate")
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                results[out.request_id].absorb(out)
+                bar.update(out.finished)
+        bar.close()
+        return list(results.values())

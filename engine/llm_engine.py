@@ -1,0 +1,216 @@
+"""LLMEngine: the synchronous core. add_request / step / abort; no threads, no network.
+
+    step():  schedule -> run the model -> postprocess
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.errors import InvalidRequestError, PromptTooLongError, QueueFullError
+from engine.faults import FaultInjector
+from engine.model_runner import ModelRunner
+from engine.output_processor import OutputProcessor
+from engine.outputs import CompletionDelta, RequestOutput
+from engine.request import Request, Sequence
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerOutput
+from engine.tokenizer import Tokenizer
+
+log = logging.getLogger("engine")
+Prompt = str | list[int] | list[dict]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.tokenizer = Tokenizer.from_dir(config.load.model)
+        self.runner = ModelRunner(config)
+        mc = self.runner.model_config
+        self.max_model_len = min(config.load.max_model_len or min(mc.max_position_embeddings, 8192),
+                                 mc.max_position_embeddings)
+        self.block_manager = BlockManager(self.runner.kv_spec.num_blocks, config.cache.block_size,
+                                          config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.faults = FaultInjector(config.fault_injection, self.tokenizer.decode)
+        eos = set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids)
+        self.processor = OutputProcessor(self.tokenizer, eos, self.max_model_len, self.faults)
+        self.requests: dict[str, Request] = {}
+        self._failed: list[Request] = []
+        self._ids = itertools.count()
+        self.stats = {"num_aborts": 0, "num_errors": 0, "prompt_tokens_total": 0, "generation_tokens_total": 0}
+
+    # ------------------------------------------------------------------ requests
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        if prompt and all(isinstance(m, dict) for m in prompt):
+            return self.tokenizer.encode_chat(prompt)
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise InvalidRequestError("prompt: must be a string, a list of token ids or chat messages",
+                                      field="prompt")
+        bad = [t for t in prompt if not 0 <= t < self.runner.model_config.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"prompt: token id {bad[0]} is outside the vocabulary "
+                                      f"[0, {self.runner.model_config.vocab_size})", field="prompt")
+        return list(prompt)
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        params = params or SamplingParams()
+        ids = self.tokenize(prompt)
+        self._admission_check(ids, params)
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request_id: {request_id!r} is already in use", field="request_id")
+        request = Request(request_id, ids, params)
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+        self.stats["prompt_tokens_total"] += len(ids)
+        return request_id
+
+    def _admission_check(self, ids: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise InvalidRequestError("prompt: must not be empty", field="prompt")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise PromptTooLongError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
+                f"length {self.max_model_len}: shorten the prompt or lower max_tokens", field="max_tokens")
+        need = -(-(len(ids) + params.max_tokens) // self.block_manager.block_size)
+        if need > self.block_manager.num_blocks:
+            raise PromptTooLongError(
+                f"the request needs {need} KV blocks but the pool has {self.block_manager.num_blocks}: "
+                "lower max_tokens or give the engine more KV memory", field="max_tokens")
+        if len(self.scheduler.waiting) >= self.config.scheduler.max_waiting:
+            raise QueueFullError("the engine queue is full: retry later")
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Finish the request now and free its blocks; returns its final output (or None if unknown)."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        self.scheduler.abort(request, "abort")
+        self.stats["num_aborts"] += 1
+        return self._finish_output(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ------------------------------------------------------------------ the step loop
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return self._flush_failed()
+        samplers, result = self._run(out)
+        self.scheduler.update_computed(out)
+        touched = self._postprocess(samplers, result)
+        return [self._make_output(r) for r in touched] + self._flush_failed()
+
+    def _flush_failed(self) -> list[RequestOutput]:
+        """Final outputs of requests failed outside the per-sample path (e.g. a failed forward)."""
+        failed, self._failed = self._failed, []
+        return [self._finish_output(r) for r in failed if r.request_id in self.requests]
+
+    def _run(self, out: SchedulerOutput):
+        try:
+            result = self.runner.execute(out)
+            samplers = [s for c in out.chunks for s in c.samples]
+            return samplers, result
+        except Exception as exc:  # a failed forward fails the requests in it, never the engine
+            log.exception("model step failed")
+            for chunk in out.chunks:
+                self._fail(chunk.seq.request, f"model step failed: {exc}")
+            return [], None
+
+    def _postprocess(self, samplers: list[Sequence], result) -> list[Request]:
+        touched: dict[str, Request] = {}
+        now = time.time()
+        for i, seq in enumerate(samplers):
+            request = seq.request
+            touched[request.request_id] = request
+            if seq.finished:
+                continue
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = now
+            request.metrics.last_token_time = now
+            try:
+                reason = self.processor.process(seq, result.token_ids[i], result.logprobs[i])
+            except Exception as exc:
+                log.exception("request %s failed in postprocessing", request.request_id)
+                self._fail(request, f"{type(exc).__name__}: {exc}")
+                continue
+            if reason:
+                self._finish_seq(seq, reason)
+        for seq in self.scheduler.running:
+            seq.request.metrics.first_scheduled_time = seq.request.metrics.first_scheduled_time or now
+        return list(touched.values())
+
+    def _finish_seq(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq, reason)
+        self.runner.release(seq)
+
+    def _fail(self, request: Request, message: str) -> None:
+        self.stats["num_errors"] += 1
+        for seq in request.seqs:
+            seq.error = message
+        self.scheduler.abort(request, "error")
+        self._failed.append(request)
+
+    # ------------------------------------------------------------------ outputs
+    def _make_output(self, request: Request) -> RequestOutput:
+        if request.finished:
+            return self._finish_output(request)
+        return self._output(request)
+
+    def _finish_output(self, request: Request) -> RequestOutput:
+        self.requests.pop(request.request_id, None)
+        for seq in request.seqs:
+            self.runner.release(seq)
+        request.metrics.finished_time = time.time()
+        self.stats["generation_tokens_total"] += request.completion_tokens
+        return self._output(request)
+
+    def _output(self, request: Request) -> RequestOutput:
+        deltas = []
+        for seq in request.seqs:
+            st = self.processor.state(seq)
+            final = seq.finished and not seq.state.get("reported")
+            if not (st.pending_ids or final):
+                continue
+            deltas.append(CompletionDelta(
+                index=seq.index, token_ids=st.pending_ids, text=self.processor.take_text(seq, seq.finished),
+                logprobs=st.pending_logprobs if request.params.logprobs is not None else None,
+                token_masks=st.pending_masks, finish_reason=seq.finish_reason if final else None,
+                error=seq.error if final else None))
+            st.pending_ids, st.pending_masks, st.pending_logprobs = [], [], []
+            seq.state["reported"] = seq.finished
+        return RequestOutput(request.request_id, deltas, request.finished, request.num_prompt,
+                             request.completion_tokens, request.cached_tokens, _copy(request.metrics))
+
+    # ------------------------------------------------------------------ introspection
+    def audit(self) -> list[str]:
+        return self.block_manager.audit(self.scheduler.live_tables())
+
+    def get_stats(self) -> dict:
+        bm = self.block_manager
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "kv_blocks_used": bm.num_used,
+            "kv_blocks_total": bm.num_blocks,
+            "prefix_cache_hit_rate": bm.prefix_hits / bm.prefix_queries if bm.prefix_queries else 0.0,
+            "num_preemptions": self.scheduler.num_preemptions,
+            **self.stats,
+        }
+
+
+def _copy(metrics):
+    return type(metrics)(**vars(metrics))
+
+
+OnOutput = Callable[[RequestOutput], None]

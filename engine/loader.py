@@ -1,0 +1,184 @@
+"""Load a HF-format checkpoint directory (config.json + safetensors) into one of our models.
+
+The model is built directly on the target device in the target dtype with uninitialised parameters
+(engine.models.layers allocates with torch.empty), then every checkpoint tensor is copied into its
+parameter one at a time from the memory-mapped file, so peak memory is about one copy of the weights.
+Every parameter (and every shard of a merged q|k|v or gate|up parameter) must be written exactly by a
+checkpoint tensor of the right shape; anything else raises an error naming the file and the tensor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import nn
+from tqdm import tqdm
+
+from engine.model_config import ModelConfig
+from engine.models.layers import MergedLinear
+from engine.models.registry import get_model_class
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+# One destination: (parameter name, shard index or None for a whole parameter).
+Target = tuple[str, int | None]
+
+
+def load_model(
+    path: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu", progress: bool = True
+) -> tuple[nn.Module, ModelConfig]:
+    """Build the model for `<path>/config.json` and fill it from the safetensors files next to it.
+
+    dtype defaults to bf16 on CUDA and fp32 on CPU (the checkpoint's own dtype is converted on copy).
+    """
+    path = Path(path)
+    device = torch.device(device)
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    cfg = ModelConfig.from_dir(path)
+    cls = get_model_class(cfg.model_type)
+    files = checkpoint_files(path)
+    with torch.device(device), _default_dtype(dtype):
+        model = cls(cfg)
+    model.eval().requires_grad_(False)
+    _load_weights(model, cls, cfg, files, progress)
+    return model, cfg
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: every shard named by the index, or the single file."""
+    index = path / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{index}: not a valid safetensors index (need a 'weight_map' object): {e}") from e
+        files = [path / name for name in dict.fromkeys(weight_map.values())]
+        for f in files:
+            if not f.is_file():
+                raise FileNotFoundError(f"{f}: shard listed in {index.name} is missing; re-download the checkpoint")
+        return files
+    single = path / SINGLE_FILE
+    if single.is_file():
+        return [single]
+    hint = " (only PyTorch .bin weights found: convert them to safetensors)" if any(path.glob("*.bin")) else ""
+    raise FileNotFoundError(f"{path}: no {SINGLE_FILE} or {INDEX_FILE} found{hint}")
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _expected_targets(model: nn.Module) -> dict[Target, nn.Parameter]:
+    """Every destination the checkpoint must fill: whole parameters, or each shard of a merged one."""
+    targets: dict[Target, nn.Parameter] = {}
+    for mod_name, module in model.named_modules():
+        for leaf, param in module.named_parameters(recurse=False):
+            name = f"{mod_name}.{leaf}" if mod_name else leaf
+            if isinstance(module, MergedLinear):
+                targets.update({(name, i): param for i in range(len(module.output_sizes))})
+            else:
+                targets[(name, None)] = param
+    return targets
+
+
+def _route(cls, cfg: ModelConfig, name: str) -> Target | None:
+    """Checkpoint tensor name -> destination, or None when the tensor is a known-harmless extra."""
+    mapped = cls.checkpoint_name(cfg, name)
+    if mapped is None:
+        return None
+    parts = mapped.split(".")
+    # parts[-2] is the owning module's name, e.g. model.layers.3.self_attn.k_proj.weight -> k_proj
+    if len(parts) >= 2 and parts[-2] in cls.packed_modules:
+        merged, shard = cls.packed_modules[parts[-2]]
+        return ".".join([*parts[:-2], merged, parts[-1]]), shard
+    return mapped, None
+
+
+def _load_weights(model: nn.Module, cls, cfg: ModelConfig, files: list[Path], progress: bool) -> None:
+    targets = _expected_targets(model)
+    modules = dict(model.named_modules())
+    loaded: set[Target] = set()
+    unexpected: list[str] = []
+    with tqdm(desc="Loading weights", unit="tensor", disable=not progress) as bar:
+        for file in files:
+            with _open_safetensors(file) as reader:
+                names = list(reader.keys())
+                bar.total = (bar.total or 0) + len(names)
+                for name in names:
+                    bar.update(1)
+                    target = _route(cls, cfg, name)
+                    if target is None:
+                        continue
+                    if target not in targets:
+                        unexpected.append(f"{name} ({file.name})")
+                        continue
+                    _copy_tensor(file, name, reader, targets[target], modules, target)
+                    loaded.add(target)
+    _check_complete(targets, loaded, unexpected, cls, files)
+
+
+@contextlib.contextmanager
+def _open_safetensors(file: Path):
+    try:
+        with safe_open(str(file), framework="pt", device="cpu") as reader:
+            yield reader
+    except SafetensorError as e:
+        raise ValueError(f"{file}: corrupt or unreadable safetensors file ({e}); re-download it") from e
+
+
+def _copy_tensor(file: Path, name: str, reader, param: nn.Parameter, modules: dict, target: Target) -> None:
+    """Copy one checkpoint tensor into its parameter (or its rows of a merged parameter)."""
+    try:
+        tensor = reader.get_tensor(name)
+    except SafetensorError as e:
+        raise ValueError(f"{file}: cannot read tensor {name} ({e}); re-download the file") from e
+    param_name, shard = target
+    dest = param.data
+    if shard is not None:
+        module = modules[param_name.rsplit(".", 1)[0]]
+        start, rows = module.shard_rows(shard)
+        dest = dest.narrow(0, start, rows)
+    if tuple(tensor.shape) != tuple(dest.shape):
+        raise ValueError(
+            f"{file}: tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)} "
+            f"from config.json; the config and the weights do not match"
+        )
+    dest.copy_(tensor)  # converts dtype and moves to the parameter's device
+
+
+def _check_complete(targets: dict, loaded: set, unexpected: list[str], cls, files: list[Path]) -> None:
+    where = files[0].parent
+    if unexpected:
+        raise ValueError(f"{where}: unexpected tensors not used by {cls.__name__}: {_few(unexpected)}")
+    missing = [_hf_name(cls, t) for t in targets if t not in loaded]
+    if missing:
+        names = ", ".join(f.name for f in files)
+        raise ValueError(f"{where}: tensors missing from {names}: {_few(missing)}")
+
+
+def _hf_name(cls, target: Target) -> str:
+    """The checkpoint name a destination expects (merged shards back to their HF projection name)."""
+    name, shard = target
+    if shard is None:
+        return name
+    module_path, leaf = name.rsplit(".", 1)
+    parent, merged = module_path.rsplit(".", 1)
+    hf = next(h for h, (m, s) in cls.packed_modules.items() if m == merged and s == shard)
+    return f"{parent}.{hf}.{leaf}"
+
+
+def _few(names: list[str], limit: int = 8) -> str:
+    more = f" ... and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more

@@ -1,0 +1,45 @@
+"""What the engine hands back each step: incremental, per request and per sample."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token_id, logprob), best first
+
+
+@dataclass
+class CompletionDelta:
+    """New output of one sample (index i of n) since the previous RequestOutput."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob] | None = None
+    token_masks: list[int] = field(default_factory=list)  # 1 sampled, 0 forced (tool output / budget)
+    finish_reason: str | None = None  # stop | length | abort | error
+    error: str | None = None  # message when finish_reason == "error"
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    outputs: list[CompletionDelta]
+    finished: bool  # every sample is finished; this is the request's last output
+    prompt_tokens: int
+    completion_tokens: int  # over all samples, so far
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    metrics: RequestMetrics | None = None

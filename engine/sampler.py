@@ -1,0 +1,126 @@
+"""Batched sampling on the device: penalties, temperature, top-k / top-p / min-p, seeded draws, logprobs.
+
+One row per sampling sequence. Every step is vectorised over the batch; the only per-row Python work
+is drawing noise for rows that carry their own seed. Sampling uses the exponential race (Gumbel-max):
+token = argmax(p / E) with E ~ Exp(1) i.i.d. is an exact draw from p, so a seeded row needs only its own
+noise vector, drawn from its own generator: its result does not depend on the other rows of the batch.
+Logits processors (structured output, budget forcing on the device) plug in before `_filter`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    params: SamplingParams
+    prompt_ids: list[int]
+    output_ids: list[int]
+    generator: torch.Generator | None  # set when params.seed is given
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[tuple[float, list[tuple[int, float]]] | None]  # per row: (chosen lp, top-k) or None
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, device: torch.device):
+        self.vocab_size = vocab_size
+        self.device = device
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
+        logits = logits.float()
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if _wants_logprobs(rows) else None
+        logits = self._apply_penalties(logits, rows)
+        greedy = torch.tensor([r.params.greedy for r in rows], device=self.device)
+        temperature = torch.tensor([r.params.temperature or 1.0 for r in rows], device=self.device)
+        probs = torch.softmax(self._filter(logits / temperature[:, None], rows), dim=-1)
+        noise = self._exponential_noise(rows, probs.shape)
+        sampled = torch.where(greedy, logits.argmax(dim=-1), (probs / noise).argmax(dim=-1))
+        return self._to_host(sampled, raw_logprobs, rows)
+
+    # ------------------------------------------------------------------ logits processors
+    def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Repetition (prompt + output), presence and frequency (output only) penalties, as in vLLM."""
+        if all(_no_penalty(r.params) for r in rows):
+            return logits
+        n, v = logits.shape
+        out_counts = torch.zeros(n, v, device=self.device)
+        seen = torch.zeros(n, v, dtype=torch.bool, device=self.device)
+        for i, r in enumerate(rows):
+            if r.output_ids:
+                ids = torch.tensor(r.output_ids, device=self.device)
+                out_counts[i].index_add_(0, ids, torch.ones(len(ids), device=self.device))
+            if r.prompt_ids:
+                seen[i, torch.tensor(r.prompt_ids, device=self.device)] = True
+        seen |= out_counts > 0
+        rep = torch.tensor([r.params.repetition_penalty for r in rows], device=self.device)[:, None]
+        pres = torch.tensor([r.params.presence_penalty for r in rows], device=self.device)[:, None]
+        freq = torch.tensor([r.params.frequency_penalty for r in rows], device=self.device)[:, None]
+        penalised = torch.where(logits > 0, logits / rep, logits * rep)
+        logits = torch.where(seen, penalised, logits)
+        return logits - freq * out_counts - pres * (out_counts > 0).float()
+
+    def _filter(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Mask tokens outside top-k, the top-p nucleus or below min_p * max prob with -inf."""
+        top_k = [r.params.top_k for r in rows]
+        top_p = [r.params.top_p for r in rows]
+        min_p = [r.params.min_p for r in rows]
+        if any(k > 0 for k in top_k):
+            k = torch.tensor([k if k > 0 else self.vocab_size for k in top_k], device=self.device)
+            k = k.clamp(max=logits.shape[-1])
+            kmax = int(max(k.tolist()))  # host-side list built from params: no device sync
+            kth = torch.topk(logits, kmax, dim=-1).values.gather(1, (k - 1)[:, None])
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if any(p < 1.0 for p in top_p):
+            p = torch.tensor(top_p, device=self.device)[:, None]
+            sorted_logits, order = logits.sort(dim=-1, descending=True)
+            cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+            drop_sorted = (cum - sorted_logits.softmax(dim=-1)) >= p  # keep the token that crosses p
+            drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+            logits = logits.masked_fill(drop, float("-inf"))
+        if any(m > 0.0 for m in min_p):
+            m = torch.tensor(min_p, device=self.device)[:, None]
+            probs = logits.softmax(dim=-1)
+            logits = logits.masked_fill(probs < m * probs.max(dim=-1, keepdim=True).values, float("-inf"))
+        return logits
+
+    # ------------------------------------------------------------------ draws
+    def _exponential_noise(self, rows: list[SamplingRow], shape: torch.Size) -> torch.Tensor:
+        noise = torch.empty(shape, device=self.device).exponential_()
+        for i, r in enumerate(rows):
+            if r.generator is not None and not r.params.greedy:
+                noise[i].exponential_(generator=r.generator)
+        return noise
+
+    def _to_host(self, sampled, raw_logprobs, rows) -> SampleResult:
+        """The step's one device-to-host copy (plus logprobs, only when a row asked for them)."""
+        if raw_logprobs is None:
+            return SampleResult(sampled.tolist(), [None] * len(rows))
+        k = max(r.params.logprobs or 0 for r in rows)
+        chosen = raw_logprobs.gather(1, sampled[:, None])[:, 0]
+        top_lp, top_ids = raw_logprobs.topk(max(k, 1), dim=-1)
+        ids, chosen, top_lp, top_ids = sampled.tolist(), chosen.tolist(), top_lp.tolist(), top_ids.tolist()
+        logprobs = []
+        for i, r in enumerate(rows):
+            if r.params.logprobs is None:
+                logprobs.append(None)
+                continue
+            top = list(zip(top_ids[i][: r.params.logprobs], top_lp[i][: r.params.logprobs]))
+            logprobs.append((chosen[i], top))
+        return SampleResult(ids, logprobs)
+
+
+def _wants_logprobs(rows: list[SamplingRow]) -> bool:
+    return any(r.params.logprobs is not None for r in rows)
+
+
+def _no_penalty(p: SamplingParams) -> bool:
+    return p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0

@@ -1,0 +1,94 @@
+"""Per-request sampling parameters, validated at construction (errors name the field)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from engine.errors import InvalidRequestError
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_LEN = 256
+MAX_TOP_LOGPROBS = 20
+MAX_N = 16
+
+
+def _check(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise InvalidRequestError(f"{name}: {message}", field=name)
+
+
+@dataclass
+class ToolConfig:
+    """nanochat calculator: text between start/end markers is evaluated and the result forced back."""
+
+    python_start: str = "<|python_start|>"
+    python_end: str = "<|python_end|>"
+    output_start: str = "<|output_start|>"
+    output_end: str = "<|output_end|>"
+
+
+@dataclass
+class BudgetForcing:
+    """batchspec-style budget forcing: until `min_tokens` are generated, a sampled `suppress` token is
+    replaced by the tokens of the next string in `replacements` (cycled)."""
+
+    suppress: str = "</think>"
+    replacements: list[str] = field(default_factory=lambda: ["Wait"])
+    min_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        _check(bool(self.suppress), "budget_forcing.suppress", "must be a non-empty string")
+        _check(len(self.replacements) >= 1, "budget_forcing.replacements", "give at least one string")
+        _check(self.min_tokens >= 0, "budget_forcing.min_tokens", "must be >= 0")
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 means greedy
+    top_k: int = 0  # 0 or -1: disabled
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    logprobs: int | None = None  # None: no logprobs; k >= 0: chosen token plus top k
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    tool: ToolConfig | None = None
+    budget_forcing: BudgetForcing | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.top_k == -1:
+            self.top_k = 0
+        _check(isinstance(self.n, int) and 1 <= self.n <= MAX_N, "n", f"must be an integer in [1, {MAX_N}]")
+        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "must be >= 1")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty"):
+            _check(math.isfinite(float(getattr(self, name))), name, "must be a finite number")
+        _check(0.0 <= self.temperature <= 100.0, "temperature", "must be in [0, 100]")
+        _check(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
+        _check(0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]")
+        _check(self.top_k >= 0, "top_k", "must be >= 0 (0 or -1 disables it)")
+        _check(0.0 < self.repetition_penalty <= 10.0, "repetition_penalty", "must be in (0, 10]")
+        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]")
+        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]")
+        _check(self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS, "logprobs",
+               f"must be in [0, {MAX_TOP_LOGPROBS}]")
+        _check(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} stop strings")
+        for s in self.stop:
+            _check(isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_LEN, "stop",
+                   f"each stop string must be 1..{MAX_STOP_STRING_LEN} characters")
+        _check(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63), "seed",
+               "must be an integer in [0, 2**63)")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

@@ -1,0 +1,176 @@
+"""Iteration-level scheduler: decides, each step, which tokens of which sequences get computed.
+
+Pure Python bookkeeping (no torch). Each step has one token budget (max_num_batched_tokens):
+  1. running sequences whose prompt is done (decodes, forced-token catch-up) take their share first;
+  2. running sequences still prefilling get chunks from what is left;
+  3. waiting sequences are admitted FCFS into the rest, unless this step had to preempt.
+So a long prompt never holds running decodes back for more than one chunk. When KV blocks run out,
+the newest running sequence not yet scheduled this step is preempted: its blocks are dropped and it
+is recomputed later (its tokens are kept, so its output is unchanged).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.config import SchedulerConfig
+from engine.request import Request, Sequence, SeqStatus
+
+
+@dataclass
+class ScheduledChunk:
+    seq: Sequence
+    start: int  # first position computed this step (== seq.num_computed when scheduled)
+    num_tokens: int
+    samples: list[Sequence] = field(default_factory=list)  # sequences that sample from the last position
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk]
+    block_copies: list[tuple[int, int]]  # (src, dst) KV block copies to perform before the forward
+    num_preempted: int = 0
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+        self.config = config
+        self.bm = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order: oldest first
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------ queue management
+    def add(self, request: Request) -> None:
+        self.waiting.append(request.seqs[0])
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _reserved_slots(self) -> int:
+        """Sequence slots promised to running requests that have not forked their n samples yet."""
+        return sum(s.request.params.n - 1 for s in self.running if not s.request.forked)
+
+    # ------------------------------------------------------------------ one step
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(chunks=[], block_copies=[])
+        budget = self.config.max_num_batched_tokens
+        scheduled: set[int] = set()
+        for prefill_pass in (False, True):
+            for seq in list(self.running):
+                if budget == 0:
+                    break
+                if seq.status is SeqStatus.RUNNING and seq.prompt_done != prefill_pass:
+                    budget -= self._schedule_running(seq, budget, scheduled, out)
+        if out.num_preempted == 0:
+            self._admit_waiting(budget, out)
+        return out
+
+    def _schedule_running(self, seq: Sequence, budget: int, scheduled: set[int], out: SchedulerOutput) -> int:
+        n = min(seq.num_pending, budget)
+        while not self.bm.can_append(seq.table, seq.num_computed, n):
+            victim = next((s for s in reversed(self.running) if s.seq_id not in scheduled), None)
+            self.preempt(victim)
+            out.num_preempted += 1
+            if victim is seq:
+                return 0
+        self._add_chunk(seq, n, out)
+        scheduled.add(seq.seq_id)
+        return n
+
+    def _admit_waiting(self, budget: int, out: SchedulerOutput) -> None:
+        while self.waiting and budget > 0:
+            seq = self.waiting[0]
+            slots = 1 if seq.request.forked else seq.request.params.n
+            if len(self.running) + self._reserved_slots() + slots > self.config.max_num_seqs:
+                return
+            if not seq.table.blocks:
+                seq.num_computed = self.bm.match_prefix(seq.table, seq.token_ids)
+                if seq.request.metrics.first_scheduled_time is None:
+                    seq.request.cached_tokens = seq.num_computed
+            n = min(seq.num_pending, budget)
+            if not self.bm.can_append(seq.table, seq.num_computed, n):
+                self.bm.free(seq.table)  # a waiting sequence holds no blocks: others may need them
+                seq.num_computed = 0
+                return
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            self._add_chunk(seq, n, out)
+            budget -= n
+
+    def _add_chunk(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
+        out.block_copies += self.bm.prepare_append(seq.table, seq.num_computed, n)
+        chunk = ScheduledChunk(seq, seq.num_computed, n)
+        if seq.num_computed + n == seq.num_tokens:
+            chunk.samples = [seq] + self._fork(seq)
+        out.chunks.append(chunk)
+
+    def _fork(self, seq: Sequence) -> list[Sequence]:
+        """On the chunk that completes the prompt of an n > 1 request, create samples 1..n-1.
+
+        They share every block of sample 0, including the blocks this very chunk writes, and sample
+        from the same logits row. Copy-on-write separates them at their first own token."""
+        request = seq.request
+        if request.forked:
+            return []
+        request.forked = True
+        children = []
+        for i in range(1, request.params.n):
+            child = Sequence(request, i, list(seq.token_ids), num_computed=seq.num_computed)
+            child.table = self.bm.fork(seq.table)
+            child.status = SeqStatus.RUNNING
+            children.append(child)
+        request.seqs.extend(children)
+        self.running.extend(children)
+        return children
+
+    # ------------------------------------------------------------------ after the forward pass
+    def update_computed(self, out: SchedulerOutput) -> None:
+        """The chunks are now in the KV cache: advance num_computed and publish full blocks."""
+        for chunk in out.chunks:
+            done = chunk.start + chunk.num_tokens
+            for seq in [chunk.seq] + chunk.samples[1:]:
+                if seq.status is not SeqStatus.RUNNING:
+                    continue  # a fresh fork child preempted later in the same step: it recomputes
+                seq.num_computed = done
+                self.bm.register_full_blocks(seq.table, seq.token_ids, done)
+
+    def preempt(self, seq: Sequence) -> None:
+        """Drop the sequence's KV and queue it first in line for recomputation."""
+        self.running.remove(seq)
+        self.bm.free(seq.table)
+        seq.num_computed = 0
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Finish one sample and return its blocks to the pool at once."""
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SeqStatus.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        self.bm.free(seq.table)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = seq.finish_reason or reason
+
+    def abort(self, request: Request, reason: str = "abort") -> None:
+        request.aborted = True
+        request.forked = True  # no more samples will be created
+        for seq in request.seqs:
+            if not seq.finished:
+                self.finish(seq, reason)
+
+    def live_tables(self):
+        return [s.table for s in list(self.running) + list(self.waiting)]

@@ -1,0 +1,113 @@
+"""The one dispatch point between model layers and kernels.
+
+Each op runs its Triton kernel when the tensors live on a CUDA device and Triton is usable, and its
+torch twin (kernels.torch_ops) otherwise. Model files call only these functions, so faster kernels
+plug in here without touching any model.
+
+Triton modules are imported lazily, inside the Triton branch: importing this module never imports
+triton, so a test process can still set TRITON_INTERPRET before the first kernel is defined.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from kernels import torch_ops
+
+_FORCE_TORCH = os.environ.get("MINSERVE_TORCH_KERNELS", "0") == "1"
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """Triton is used only on CUDA tensors (the interpreter is for tests, not serving)."""
+    if _FORCE_TORCH or not x.is_cuda:
+        return False
+    return _triton_importable()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_offset: float = 0.0) -> torch.Tensor:
+    if use_triton(x):
+        from kernels import triton_norm
+
+        return triton_norm.rms_norm(x, weight, eps, weight_offset)
+    return torch_ops.rms_norm(x, weight, eps, weight_offset)
+
+
+def add_rms_norm(x, residual, weight, eps: float, weight_offset: float = 0.0):
+    if use_triton(x):
+        from kernels import triton_norm
+
+        return triton_norm.add_rms_norm(x, residual, weight, eps, weight_offset)
+    return torch_ops.add_rms_norm(x, residual, weight, eps, weight_offset)
+
+
+def apply_rotary(q, k, positions, cos_sin):
+    if use_triton(q):
+        from kernels import triton_rope
+
+        return triton_rope.apply_rotary(q, k, positions, cos_sin)
+    return torch_ops.apply_rotary(q, k, positions, cos_sin)
+
+
+def silu_and_mul(x):
+    if use_triton(x):
+        from kernels import triton_act
+
+        return triton_act.silu_and_mul(x)
+    return torch_ops.silu_and_mul(x)
+
+
+def gelu_tanh_and_mul(x):
+    if use_triton(x):
+        from kernels import triton_act
+
+        return triton_act.gelu_tanh_and_mul(x)
+    return torch_ops.gelu_tanh_and_mul(x)
+
+
+def store_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
+    if use_triton(k):
+        from kernels import triton_kv
+
+        triton_kv.store_kv(k, v, k_cache, v_cache, slot_mapping)
+        return
+    torch_ops.store_kv(k, v, k_cache, v_cache, slot_mapping)
+
+
+def attention(q, k, v, k_cache, v_cache, meta, scale, sliding_window=None, softcap=None):
+    """Paged decode kernel when every sequence has one new token and a cache exists (the CUDA-graph
+    path: it reads only device tensors and shapes from `meta`); the varlen prefill kernel otherwise."""
+    if not use_triton(q):
+        return torch_ops.attention(q, k, v, k_cache, v_cache, meta, scale, sliding_window, softcap)
+    if meta.block_tables is not None and meta.is_decode:
+        from kernels import triton_decode_attention
+
+        return triton_decode_attention.decode_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, sliding_window, softcap
+        )
+    from kernels import triton_prefill_attention
+
+    paged = meta.block_tables is not None
+    return triton_prefill_attention.prefill_attention(
+        q,
+        k_cache if paged else k,
+        v_cache if paged else v,
+        meta.cu_seqlens_q,
+        meta.seq_lens,
+        meta.max_seqlen_q,
+        scale,
+        block_tables=meta.block_tables,
+        sliding_window=sliding_window,
+        softcap=softcap,
+    )

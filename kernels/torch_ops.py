@@ -1,0 +1,123 @@
+"""Plain torch twins of every kernel: the CPU serving path and the reference the Triton kernels are
+tested against. Clarity over speed; shapes are documented on each function.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_offset: float = 0.0) -> torch.Tensor:
+    """y = x / rms(x) * (weight_offset + weight), computed in fp32. Gemma uses weight_offset = 1."""
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * (weight_offset + weight.float())).to(dtype)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, weight_offset: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """residual <- x + residual; returns (rms_norm(residual), residual)."""
+    residual = x + residual
+    return rms_norm(residual, weight, eps, weight_offset), residual
+
+
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style (rotate-half) RoPE. q: [T, Hq, D], k: [T, Hk, D], positions: [T],
+    cos_sin: [max_pos, D] holding cos in the first D/2 columns and sin in the last D/2."""
+    half = q.shape[-1] // 2
+    cs = cos_sin.index_select(0, positions)
+    cos = cs[:, None, :half].float()
+    sin = cs[:, None, half:].float()
+
+    def rot(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x[..., :half].float(), x[..., half:].float()
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+    return rot(q), rot(k)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [T, 2I] = [gate | up] -> silu(gate) * up."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [T, 2I] = [gate | up] -> gelu_tanh(gate) * up (Gemma's GeGLU)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+def store_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write k/v [T, Hk, D] into caches [num_blocks, block_size, Hk, D] at flat slots; slot -1 is skipped."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep]
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep]
+
+
+def _gather_paged(cache: torch.Tensor, block_row: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` positions of one sequence, gathered from its blocks: [length, Hk, D]."""
+    block_size = cache.shape[1]
+    num_blocks = (length + block_size - 1) // block_size
+    return cache[block_row[:num_blocks].long()].reshape(-1, *cache.shape[2:])[:length]
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor | None,
+    v_cache: torch.Tensor | None,
+    meta,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Causal GQA attention for a packed batch (see engine.attention_context for the layout).
+
+    q: [T, Hq, D]; k, v: [T, Hk, D] (this step's keys, already stored in the cache when there is one).
+    Query i of a sequence sits at absolute position p = seq_len - query_len + i and sees key j iff
+    j <= p and (sliding_window is None or p - j < sliding_window). Returns [T, Hq, D].
+    """
+    out = torch.empty_like(q)
+    group = q.shape[1] // k.shape[1]
+    start = 0
+    for b, (q_len, kv_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+        qb = q[start : start + q_len]
+        if meta.block_tables is None:
+            kb, vb = k[start : start + q_len], v[start : start + q_len]
+        else:
+            kb = _gather_paged(k_cache, meta.block_tables[b], kv_len)
+            vb = _gather_paged(v_cache, meta.block_tables[b], kv_len)
+        out[start : start + q_len] = _attend_one(qb, kb, vb, group, scale, sliding_window, softcap)
+        start += q_len
+    return out
+
+
+def _attend_one(qb, kb, vb, group, scale, sliding_window, softcap) -> torch.Tensor:
+    q_len, kv_len = qb.shape[0], kb.shape[0]
+    compute = torch.float64 if qb.dtype == torch.float64 else torch.float32
+    qh = qb.to(compute).transpose(0, 1)  # [Hq, q_len, D]
+    kh = kb.to(compute).repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, kv_len, D]
+    vh = vb.to(compute).repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = torch.matmul(qh, kh.transpose(1, 2)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    pos_q = torch.arange(kv_len - q_len, kv_len, device=qb.device)[:, None]
+    pos_k = torch.arange(kv_len, device=qb.device)[None, :]
+    allowed = pos_k <= pos_q
+    if sliding_window is not None:
+        allowed &= (pos_q - pos_k) < sliding_window
+    scores = scores.masked_fill(~allowed, -math.inf)
+    probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs, vh).transpose(0, 1).to(qb.dtype)

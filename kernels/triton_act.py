@@ -1,0 +1,69 @@
+"""Triton gated activations on [T, 2I] = [gate | up] (twins: torch_ops.silu_and_mul / gelu_tanh_and_mul).
+
+Grid: (row, column block). Math in fp32, one rounding to the output dtype. `tanh` is also used by
+the attention kernels for logit soft-capping, so it lives here.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 1024  # 1024 elements / (4 warps x 32 lanes) = 8 bf16 per thread = one 16-byte load
+
+
+@triton.jit
+def tanh(x):
+    """tanh(x) = 2 * sigmoid(2x) - 1: saturates cleanly to +-1 (exp overflow gives inf, not NaN)."""
+    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+
+@triton.jit
+def _gated_kernel(
+    x_ptr, out_ptr, stride_x, stride_out, inter,
+    GELU_TANH: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < inter
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + inter + cols, mask=mask, other=0.0).to(tl.float32)
+    if GELU_TANH:
+        # gelu_tanh(g) = 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))
+        act = 0.5 * gate * (1.0 + tanh(0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)))
+    else:
+        act = gate * tl.sigmoid(gate)
+    tl.store(out_ptr + row * stride_out + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _launch(x: torch.Tensor, gelu_tanh: bool, out: torch.Tensor | None) -> torch.Tensor:
+    if x.shape[-1] % 2:
+        raise ValueError(f"gated activation: last dim {x.shape[-1]} must be even ([gate | up])")
+    inter = x.shape[-1] // 2
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    shape = (*x.shape[:-1], inter)
+    if out is None:
+        out = torch.empty(shape, dtype=x.dtype, device=x.device)
+    elif out.shape != shape or out.dtype != x.dtype or not out.is_contiguous():
+        raise ValueError(f"gated activation: out must be contiguous {shape} {x.dtype}")
+    out2 = out.view(-1, inter)
+    if x2.shape[0] == 0:
+        return out
+    grid = (x2.shape[0], triton.cdiv(inter, BLOCK))
+    _gated_kernel[grid](
+        x2, out2, x2.stride(0), out2.stride(0), inter, GELU_TANH=gelu_tanh, BLOCK=BLOCK, num_warps=4
+    )
+    return out
+
+
+def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """[..., 2I] -> silu(gate) * up: [..., I]."""
+    return _launch(x, False, out)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """[..., 2I] -> gelu_tanh(gate) * up: [..., I] (Gemma's GeGLU)."""
+    return _launch(x, True, out)

@@ -1,0 +1,202 @@
+"""Paged decode attention: split-KV flash-decoding (twin: kernels.torch_ops.attention, one query per seq).
+
+Stage 1, grid (batch, kv_head, split): one program takes all GROUP = Hq / Hk query heads of one KV
+group (so each K/V row is read once per group, not once per query head) and one contiguous chunk of
+the sequence's visible keys, and writes a partial softmax result: o_s (normalised) and its base-2
+log-sum-exp lse_s. Stage 2, grid (batch, q_head), merges the splits:
+    out = sum_s 2^(lse_s - m) o_s / sum_s 2^(lse_s - m),   m = max_s lse_s.
+
+CUDA-graph safety: the grid depends only on shapes (batch, heads, and a split count derived from the
+block-table width, the window and the SM count); sequence lengths are read from the device tensor
+inside the kernel; configs are fixed (no autotune), so a warm-up call compiles everything.
+
+The visible keys of sequence b are [lo, seq_len) with lo = max(0, seq_len - window) (0 without a
+window); each split takes ceil(visible / num_splits) keys rounded up to whole BLOCK_N tiles, so late
+splits of short sequences are empty and store lse = -inf, o = 0. A row with seq_len 0 (graph padding)
+reads no memory and returns zeros.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton_act import tanh
+
+MAX_SPLITS = 64  # reduce kernel's fixed block: one compiled variant for every split count
+PROGRAMS_PER_SM = 4  # enough resident CTAs to keep HBM busy while each waits on its loads
+INTERPRETER_SMS = 2  # stand-in SM count under TRITON_INTERPRET (CPU tensors): still yields splits
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
+# Runtime ints that vary per layer or per shape are not specialised, so no value triggers a recompile.
+@triton.jit(do_not_specialize=["window", "num_splits"])
+def _decode_split_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, part_o_ptr, part_lse_ptr,
+    stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+    scale, softcap, window, num_splits,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0).to(tl.int64)
+    kh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b)
+    lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+    chunk = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
+    start = lo + split * chunk
+    end = tl.minimum(start + chunk, seq_len)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < HEAD_DIM
+    heads = kh * GROUP + g  # query heads of this KV group; rows g >= GROUP are padding for tl.dot
+    q_mask = (g < GROUP)[:, None] & dmask[None, :]
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    bt_row = block_tables_ptr + b * stride_bt
+    # Every tile starts below `end`, so each holds >= 1 valid key and m_i is finite after the first.
+    for n in range(start, end, BLOCK_N):
+        pos = n + tl.arange(0, BLOCK_N)
+        valid = pos < end
+        # Position pos lives in physical block block_table[pos // PAGE] at offset pos % PAGE.
+        blk = tl.load(bt_row + pos // PAGE, mask=valid, other=0).to(tl.int64)
+        kv_mask = valid[:, None] & dmask[None, :]
+        k_off = blk[:, None] * stride_kb + (pos % PAGE)[:, None] * stride_ks + kh * stride_kh + d[None, :]
+        k = tl.load(k_cache_ptr + k_off, mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale
+        if HAS_SOFTCAP:
+            s = softcap * tanh(s / softcap)
+        s = tl.where(valid[None, :], s * LOG2E, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v_off = blk[:, None] * stride_vb + (pos % PAGE)[:, None] * stride_vs + kh * stride_vh + d[None, :]
+        v = tl.load(v_cache_ptr + v_off, mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
+
+    has = l_i > 0.0  # false only for an empty split
+    o = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    # Partial buffers: part_lse [B, Hq, S], part_o [B, Hq, S, HEAD_DIM], both contiguous fp32.
+    row = (b * (tl.num_programs(1) * GROUP) + heads) * num_splits + split
+    tl.store(part_lse_ptr + row, lse, mask=g < GROUP)
+    tl.store(part_o_ptr + row[:, None] * HEAD_DIM + d[None, :], o, mask=q_mask)
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _decode_reduce_kernel(
+    part_o_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh, num_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MAX_SPLITS: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    s = tl.arange(0, MAX_SPLITS)
+    d = tl.arange(0, BLOCK_D)
+    smask = s < num_splits
+    row = (b * tl.num_programs(1) + h) * num_splits + s
+    lse = tl.load(part_lse_ptr + row, mask=smask, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # all splits empty (seq_len 0): weights 0, output 0
+    w = tl.exp2(lse - m)
+    omask = smask[:, None] & (d < HEAD_DIM)[None, :]
+    o = tl.load(part_o_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=omask, other=0.0)
+    denom = tl.sum(w, axis=0)
+    out = tl.sum(w[:, None] * o, axis=0) / tl.where(denom > 0.0, denom, 1.0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+@functools.lru_cache(maxsize=8)
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return INTERPRETER_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_num_splits(
+    batch: int, num_kv_heads: int, max_blocks: int, block_size: int, block_n: int, sm_count: int,
+    sliding_window: int | None = None,
+) -> int:  # fmt: skip
+    """Splits per (seq, kv head) so that batch * Hk * splits ~ PROGRAMS_PER_SM * SMs; shapes only.
+
+    Capped by the most BLOCK_N tiles a sequence can have (block-table width or window) and MAX_SPLITS.
+    """
+    span = max_blocks * block_size
+    if sliding_window:
+        span = min(span, sliding_window)
+    want = triton.cdiv(PROGRAMS_PER_SM * sm_count, max(1, batch * num_kv_heads))
+    return max(1, min(want, triton.cdiv(span, block_n), MAX_SPLITS))
+
+
+def decode_config(head_dim: int) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages): fixed per head_dim so CUDA-graph capture never compiles."""
+    return (64, 4, 2) if head_dim <= 128 else (32, 4, 2)
+
+
+def _alloc_partials(batch: int, num_q_heads: int, num_splits: int, head_dim: int, device: torch.device):
+    """Split results: o [B, Hq, S, D] and lse [B, Hq, S], fp32. Every entry is written by stage 1."""
+    part_o = torch.empty((batch, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=device)
+    part_lse = torch.empty((batch, num_q_heads, num_splits), dtype=torch.float32, device=device)
+    return part_o, part_lse
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """q: [B, Hq, D] (one new token per sequence, already in the cache); caches [N, page, Hk, D];
+    block_tables [B, max_blocks] int32; seq_lens [B] int32 on the device. Returns [B, Hq, D]
+    (written into `out` when given). num_splits overrides the shape-derived split count."""
+    batch, num_q_heads, head_dim = q.shape
+    _, page, num_kv_heads, _ = k_cache.shape
+    if num_q_heads % num_kv_heads or k_cache.shape[3] != head_dim or v_cache.shape != k_cache.shape:
+        raise ValueError(f"decode_attention: q {tuple(q.shape)} does not fit caches {tuple(k_cache.shape)}")
+    if q.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+        raise ValueError("decode_attention: the head_dim axis of q and the caches must be contiguous")
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1:
+        raise ValueError(f"decode_attention: out must be {tuple(q.shape)} {q.dtype}, last dim contiguous")
+    if batch == 0:
+        return out
+    group = num_q_heads // num_kv_heads
+    block_n, num_warps, num_stages = decode_config(head_dim)
+    if num_splits is None:
+        num_splits = choose_num_splits(
+            batch, num_kv_heads, block_tables.shape[1], page, block_n, _sm_count(q.device), sliding_window
+        )
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"decode_attention: num_splits {num_splits} outside [1, {MAX_SPLITS}]")
+    part_o, part_lse = _alloc_partials(batch, num_q_heads, num_splits, head_dim, q.device)
+    block_d = triton.next_power_of_2(head_dim)
+    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, part_o, part_lse,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        scale, softcap or 0.0, sliding_window or 0, num_splits,
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
+        PAGE=page, BLOCK_N=block_n, HAS_SOFTCAP=softcap is not None,
+        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    _decode_reduce_kernel[(batch, num_q_heads)](
+        part_o, part_lse, out, out.stride(0), out.stride(1), num_splits,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, MAX_SPLITS=MAX_SPLITS, num_warps=4,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,160 @@
+"""Prefill / chunked-prefill attention for a packed varlen batch (twin: kernels.torch_ops.attention).
+
+Grid (query tile, sequence, query head); no padding of the batch: a program whose tile starts past
+its sequence's query_len exits at once. Sequence b owns rows cu_seqlens_q[b] : cu_seqlens_q[b + 1] of
+q; its query i sits at absolute position p = ctx + i with ctx = seq_len - query_len (tokens already
+cached) and sees key j iff j <= p and (no window or p - j < window).
+
+Keys come from the paged cache (PAGED: position j lives in block block_table[b, j // PAGE] at offset
+j % PAGE; this step's keys are already stored there) or, when there is no cache, from this step's
+k/v packed exactly like q (then seq_len == query_len). Online softmax in base 2, fp32 accumulators.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton_act import tanh
+
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def _load_kv_tile(base_ptr, bt_row, seq_start, kpos, kvalid, kh, stride_b, stride_s, stride_h, d, dmask,
+                  PAGED: tl.constexpr, PAGE: tl.constexpr):  # fmt: skip
+    """[BLOCK_N, BLOCK_D] rows of keys or values at positions kpos of one sequence and KV head."""
+    if PAGED:
+        blk = tl.load(bt_row + kpos // PAGE, mask=kvalid, other=0).to(tl.int64)
+        row_off = blk * stride_b + (kpos % PAGE) * stride_s
+    else:
+        row_off = (seq_start + kpos).to(tl.int64) * stride_b  # packed rows: stride_b is the token stride
+    ptrs = base_ptr + row_off[:, None] + kh * stride_h + d[None, :]
+    return tl.load(ptrs, mask=kvalid[:, None] & dmask[None, :], other=0.0)
+
+
+@triton.jit(do_not_specialize=["window"])
+def _prefill_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, seq_lens_ptr, block_tables_ptr,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+    scale, softcap, window,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):  # fmt: skip
+    tile = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    h = tl.program_id(2)
+    q_start = tl.load(cu_q_ptr + b)
+    q_len = tl.load(cu_q_ptr + b + 1) - q_start
+    if tile * BLOCK_M >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + b)
+    ctx = seq_len - q_len
+    kh = h // GROUP
+
+    m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    mvalid = m < q_len
+    qpos = ctx + m
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < HEAD_DIM
+    rows = (q_start + m).to(tl.int64)
+    q_mask = mvalid[:, None] & dmask[None, :]
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + d[None, :], mask=q_mask, other=0.0)
+
+    # Keys this tile can see: causal bound from its last row, window bound from its first row.
+    hi = tl.minimum(seq_len, ctx + (tile + 1) * BLOCK_M)
+    lo = tl.where(window > 0, tl.maximum(ctx + tile * BLOCK_M - window + 1, 0), 0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    bt_row = block_tables_ptr + b * stride_bt
+    for n in range(lo, hi, BLOCK_N):
+        kpos = n + tl.arange(0, BLOCK_N)
+        kvalid = kpos < hi
+        k = _load_kv_tile(k_ptr, bt_row, q_start, kpos, kvalid, kh, stride_kb, stride_ks, stride_kh, d,
+                          dmask, PAGED, PAGE)  # fmt: skip
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale
+        if HAS_SOFTCAP:
+            s = softcap * tanh(s / softcap)
+        allowed = kvalid[None, :] & (kpos[None, :] <= qpos[:, None])
+        allowed = allowed & ((window <= 0) | (qpos[:, None] - kpos[None, :] < window))
+        s = tl.where(allowed, s * LOG2E, float("-inf"))
+        # A row may see nothing in this tile (window edge, padding rows): keep exp2 away from inf - inf.
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = _load_kv_tile(v_ptr, bt_row, q_start, kpos, kvalid, kh, stride_vb, stride_vs, stride_vh, d,
+                          dmask, PAGED, PAGE)  # fmt: skip
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
+
+    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    out_ptrs = out_ptr + rows[:, None] * stride_ot + h * stride_oh + d[None, :]
+    tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+def prefill_config(head_dim: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages), fixed per head_dim (no autotune)."""
+    if head_dim <= 64:
+        return 128, 64, 4, 3
+    if head_dim <= 128:
+        return 128, 64, 8, 2
+    return 64, 32, 4, 2
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seqlen_q: int,
+    scale: float,
+    block_tables: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """q: [T, Hq, D]. With block_tables, k/v are the paged caches [N, page, Hk, D]; without, this step's
+    k/v [T, Hk, D] packed like q. cu_seqlens_q [B + 1], seq_lens [B] int32. Returns [T, Hq, D].
+    block_m / block_n override the tile sizes (tests use small tiles to cross tile edges); `out` is an
+    optional destination like q."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[-2]
+    if num_q_heads % num_kv_heads or k.shape[-1] != head_dim or v.shape != k.shape:
+        raise ValueError(f"prefill_attention: q {tuple(q.shape)} does not fit k/v {tuple(k.shape)}")
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("prefill_attention: the head_dim axis of q, k and v must be contiguous")
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
+        raise ValueError(f"prefill_attention: out must be {tuple(q.shape)} {q.dtype}, last dim contiguous")
+    batch = cu_seqlens_q.shape[0] - 1
+    if num_tokens == 0 or batch == 0:
+        return out
+    bm, bn, num_warps, num_stages = prefill_config(head_dim)
+    bm, bn = block_m or bm, block_n or bn
+    paged = block_tables is not None
+    if paged:
+        kv_strides = (k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2))
+        page, bt, stride_bt = k.shape[1], block_tables, block_tables.stride(0)
+    else:  # packed rows: the "block" stride is the token stride, the in-block stride is unused
+        kv_strides = (k.stride(0), 0, k.stride(1), v.stride(0), 0, v.stride(1))
+        page, bt, stride_bt = 1, cu_seqlens_q, 0  # bt is never read when not PAGED
+    grid = (triton.cdiv(max_seqlen_q, bm), batch, num_q_heads)
+    _prefill_kernel[grid](
+        q, k, v, out, cu_seqlens_q, seq_lens, bt,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *kv_strides, stride_bt,
+        scale, softcap or 0.0, sliding_window or 0,
+        GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_M=bm, BLOCK_N=bn, PAGED=paged, PAGE=page, HAS_SOFTCAP=softcap is not None,
+        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    return out
