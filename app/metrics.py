@@ -41,11 +41,9 @@ _GAUGES = {
 
 class ServerMetrics:
     def __init__(self, model_name: str):
-        tags = {"model": model_name}
-
         def histogram(name: str, text: str, buckets: list[float]) -> Histogram:
             h = Histogram(name, description=text, boundaries=buckets, tag_keys=("model",))
-            h.set_default_tags(tags)
+            h.set_default_tags({"model": model_name})  # a fresh dict: Serve adds its own tags in place
             return h
 
         self.ttft = histogram("minserve_time_to_first_token_seconds", "Arrival to first token.", _LATENCY_BUCKETS)
@@ -59,7 +57,7 @@ class ServerMetrics:
         self.ongoing = Gauge("minserve_ongoing_requests", description="Streams open in this replica.",
                              tag_keys=("model",))
         for metric in [*self._counters.values(), *self._gauges.values(), self.ongoing]:
-            metric.set_default_tags(tags)
+            metric.set_default_tags({"model": model_name})
         self._last_totals: dict[str, float] = {}
 
     def observe_finished(self, out: RequestOutput) -> None:

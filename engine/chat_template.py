@@ -40,10 +40,17 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
-            sort_keys: bool = False) -> str:
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: Any = None,
+    separators: Any = None,
+    sort_keys: bool = False,
+) -> str:
     # Jinja's own tojson escapes <, >, & and ' for HTML; chat templates expect plain JSON.
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _strftime_now(fmt: str) -> str:
@@ -53,7 +60,9 @@ def _strftime_now(fmt: str) -> str:
 @lru_cache(maxsize=16)
 def compile_template(source: str) -> jinja2.Template:
     """Compile once per distinct source; templates are immutable so sharing them is safe."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -108,9 +117,10 @@ def find_template_source(model_dir: str | Path) -> tuple[str, str]:
         known = ", ".join(sorted(FAMILY_BY_MODEL_TYPE))
         raise ChatTemplateError(
             f"{model_dir} has no chat template (no chat_template.jinja, and no chat_template in "
-            f"tokenizer_config.json) and its config.json model_type is not one of ours ({known}). Fix: add a "
-            f"chat_template.jinja to the checkpoint directory, or add engine/templates/<family>.jinja and map "
-            f"the model_type to it in FAMILY_BY_MODEL_TYPE (engine/chat_template.py)."
+            f"tokenizer_config.json) and its config.json model_type is not one of ours ({known}). "
+            f"Fix: add a chat_template.jinja to the checkpoint directory, or add "
+            f"engine/templates/<family>.jinja and map the model_type to it in FAMILY_BY_MODEL_TYPE "
+            f"(engine/chat_template.py)."
         )
     path = TEMPLATE_DIR / f"{family}.jinja"
     return family_template(family), str(path)
@@ -119,7 +129,9 @@ def find_template_source(model_dir: str | Path) -> tuple[str, str]:
 class ChatTemplate:
     """A compiled template plus the special-token strings (bos_token, eos_token, ...) it may reference."""
 
-    def __init__(self, source: str, special_tokens: Mapping[str, str] | None = None, origin: str = "<string>"):
+    def __init__(
+        self, source: str, special_tokens: Mapping[str, str] | None = None, origin: str = "<string>"
+    ):
         self.source = source
         self.origin = origin
         self.special_tokens = dict(special_tokens or {})
@@ -140,6 +152,10 @@ class ChatTemplate:
         variables.setdefault("tools", None)
         variables.setdefault("documents", None)
         try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
+            return self._template.render(
+                messages=messages, add_generation_prompt=add_generation_prompt, **variables
+            )
         except (jinja2.TemplateError, TypeError) as exc:  # TypeError: e.g. a None where text was expected
-            raise InvalidRequestError(f"chat template from {self.origin} rejected the messages: {exc}", "messages") from exc
+            raise InvalidRequestError(
+                f"chat template from {self.origin} rejected the messages: {exc}", "messages"
+            ) from exc

@@ -35,7 +35,9 @@ class _Decoder(Protocol):
 class IncrementalDetokenizer:
     """Push generated ids one at a time; each push returns the text it completes (possibly "")."""
 
-    def __init__(self, tokenizer: _Decoder, prompt_ids: list[int] | None = None, skip_special_tokens: bool = False):
+    def __init__(
+        self, tokenizer: _Decoder, prompt_ids: list[int] | None = None, skip_special_tokens: bool = False
+    ):
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
         # Only the tail of the prompt is needed as context; its text is never emitted.

@@ -32,8 +32,7 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_dir(config.load.model)
         self.runner = ModelRunner(config)
         mc = self.runner.model_config
-        self.max_model_len = min(config.load.max_model_len or min(mc.max_position_embeddings, 8192),
-                                 mc.max_position_embeddings)
+        self.max_model_len = self.runner.max_model_len
         self.block_manager = BlockManager(self.runner.kv_spec.num_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
@@ -86,6 +85,9 @@ class LLMEngine:
             raise PromptTooLongError(
                 f"the request needs {need} KV blocks but the pool has {self.block_manager.num_blocks}: "
                 "lower max_tokens or give the engine more KV memory", field="max_tokens")
+        if params.n > self.config.scheduler.max_num_seqs:
+            raise InvalidRequestError(f"n: {params.n} samples exceed max_num_seqs "
+                                      f"({self.config.scheduler.max_num_seqs})", field="n")
         if len(self.scheduler.waiting) >= self.config.scheduler.max_waiting:
             raise QueueFullError("the engine queue is full: retry later")
 

@@ -31,15 +31,19 @@ Target = tuple[str, int | None]
 
 
 def load_model(
-    path: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu", progress: bool = True
+    path: str | Path,
+    dtype: torch.dtype | str | None = None,
+    device: str | torch.device = "cpu",
+    progress: bool = True,
 ) -> tuple[nn.Module, ModelConfig]:
     """Build the model for `<path>/config.json` and fill it from the safetensors files next to it.
 
-    dtype defaults to bf16 on CUDA and fp32 on CPU (the checkpoint's own dtype is converted on copy).
+    dtype: a torch dtype or its name ("bfloat16"); None / "auto" means bf16 on CUDA and fp32 on CPU
+    (the checkpoint's own dtype is converted on copy). device: "cpu", "cuda", "cuda:N" or "auto".
     """
     path = Path(path)
-    device = torch.device(device)
-    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    device = _resolve_device(device)
+    dtype = _resolve_dtype(dtype, device)
     cfg = ModelConfig.from_dir(path)
     cls = get_model_class(cfg.model_type)
     files = checkpoint_files(path)
@@ -50,6 +54,23 @@ def load_model(
     return model, cfg
 
 
+def _resolve_device(device: str | torch.device) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def _resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
+    if dtype is None or dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    resolved = getattr(torch, dtype, None)
+    if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
+        raise ValueError(f"dtype: {dtype!r} is not a floating torch dtype; use float32, float16 or bfloat16")
+    return resolved
+
+
 def checkpoint_files(path: Path) -> list[Path]:
     """The safetensors files of a checkpoint: every shard named by the index, or the single file."""
     index = path / INDEX_FILE
@@ -57,16 +78,22 @@ def checkpoint_files(path: Path) -> list[Path]:
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise ValueError(f"{index}: not a valid safetensors index (need a 'weight_map' object): {e}") from e
+            raise ValueError(
+                f"{index}: not a valid safetensors index (need a 'weight_map' object): {e}"
+            ) from e
         files = [path / name for name in dict.fromkeys(weight_map.values())]
         for f in files:
             if not f.is_file():
-                raise FileNotFoundError(f"{f}: shard listed in {index.name} is missing; re-download the checkpoint")
+                raise FileNotFoundError(
+                    f"{f}: shard listed in {index.name} is missing; re-download the checkpoint"
+                )
         return files
     single = path / SINGLE_FILE
     if single.is_file():
         return [single]
-    hint = " (only PyTorch .bin weights found: convert them to safetensors)" if any(path.glob("*.bin")) else ""
+    hint = (
+        " (only PyTorch .bin weights found: convert them to safetensors)" if any(path.glob("*.bin")) else ""
+    )
     raise FileNotFoundError(f"{path}: no {SINGLE_FILE} or {INDEX_FILE} found{hint}")
 
 

@@ -20,22 +20,55 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # Defaults of the transformers config classes (LlamaConfig, Qwen3Config, Gemma3TextConfig).
 _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": dict(
-        vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-        num_attention_heads=32, hidden_act="silu", max_position_embeddings=2048, rms_norm_eps=1e-6,
-        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, rope_theta=10000.0,
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        hidden_act="silu",
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-6,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+        rope_theta=10000.0,
     ),
     "qwen3": dict(
-        vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=32, head_dim=128, hidden_act="silu",
-        max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=10000.0,
-        use_sliding_window=False, sliding_window=4096, max_window_layers=28,
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=22016,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        head_dim=128,
+        hidden_act="silu",
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        rope_theta=10000.0,
+        use_sliding_window=False,
+        sliding_window=4096,
+        max_window_layers=28,
     ),
     "gemma3_text": dict(
-        vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
-        num_attention_heads=8, num_key_value_heads=4, head_dim=256, hidden_activation="gelu_pytorch_tanh",
-        max_position_embeddings=131072, rms_norm_eps=1e-6, bos_token_id=2, eos_token_id=1,
-        tie_word_embeddings=True, rope_theta=1_000_000.0, rope_local_base_freq=10000.0,
-        query_pre_attn_scalar=256, sliding_window=4096, sliding_window_pattern=6,
+        vocab_size=262208,
+        hidden_size=2304,
+        intermediate_size=9216,
+        num_hidden_layers=26,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=256,
+        hidden_activation="gelu_pytorch_tanh",
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-6,
+        bos_token_id=2,
+        eos_token_id=1,
+        tie_word_embeddings=True,
+        rope_theta=1_000_000.0,
+        rope_local_base_freq=10000.0,
+        query_pre_attn_scalar=256,
+        sliding_window=4096,
+        sliding_window_pattern=6,
     ),
 }
 
@@ -168,7 +201,8 @@ def _parse_rope(family: str, d: dict, source: str) -> tuple[float, dict | None, 
         return theta, None, local_base
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
-            f"{source}: rope type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+            f"{source}: rope type {rope_type!r} is not supported "
+            f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
         )
     spec.pop("type", None)
     spec["rope_type"] = rope_type
@@ -191,10 +225,14 @@ def _parse_layer_types(family: str, d: dict, num_layers: int, source: str) -> tu
     kinds = d.get("layer_types")
     if kinds is None and family == "gemma3_text":
         pattern = int(d.get("sliding_window_pattern") or d.get("_sliding_window_pattern") or 6)
-        kinds = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers)]
+        kinds = [
+            "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers)
+        ]
     if kinds is None:  # qwen3: layers from max_window_layers on use the window when it is enabled
         first = int(d.get("max_window_layers", num_layers))
-        kinds = ["sliding_attention" if window and i >= first else "full_attention" for i in range(num_layers)]
+        kinds = [
+            "sliding_attention" if window and i >= first else "full_attention" for i in range(num_layers)
+        ]
     if len(kinds) != num_layers:
         raise ValueError(f"{source}: layer_types has {len(kinds)} entries, num_hidden_layers is {num_layers}")
     if family == "gemma3_text" and d.get("use_bidirectional_attention"):

@@ -13,12 +13,13 @@ import torch
 
 from engine.attention_context import AttentionMetadata, attention_context
 from engine.config import EngineConfig
+from engine.cuda_graph import DecodeGraphs
 from engine.kv_cache import KVCacheSpec, allocate_kv_cache, plan_kv_cache
 from engine.loader import load_model
 from engine.model_config import ModelConfig
 from engine.models.layers import Attention
 from engine.request import Sequence
-from engine.sampler import Sampler, SampleResult, SamplingRow
+from engine.sampler import Sampler, SampleResult, SamplingRow, upload
 from engine.scheduler import SchedulerOutput
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -55,6 +56,8 @@ class ModelRunner:
         self.device, self.dtype = resolve_device_dtype(config)
         torch.manual_seed(config.load.seed)
         self.model, self.model_config = load_model(config.load.model, dtype=self.dtype, device=self.device)
+        max_pos = self.model_config.max_position_embeddings
+        self.max_model_len = min(config.load.max_model_len or min(max_pos, 8192), max_pos)
         self.block_size = config.cache.block_size
         self.kv_spec: KVCacheSpec = plan_kv_cache(
             config.cache, self.model_config, self.dtype, self.device, self._profile_activation_bytes()
@@ -65,6 +68,13 @@ class ModelRunner:
             layer.k_cache, layer.v_cache = k_cache, v_cache
         self.sampler = Sampler(self.model_config.vocab_size, self.device)
         self.generators: dict[int, torch.Generator] = {}
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and not config.load.enforce_eager:
+            self.graphs = DecodeGraphs(
+                self.model, self.device, min(config.scheduler.max_num_seqs, 512),
+                -(-self.max_model_len // self.block_size), self.block_size, self.model_config.hidden_size,
+                self.dtype)
+            self.graphs.capture()
 
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()
@@ -72,13 +82,17 @@ class ModelRunner:
         self._copy_blocks(out.block_copies)
         batch = self.build_batch(out)
         input_ids, positions, meta = self.to_device(batch)
-        with attention_context(meta):
-            hidden = self.model(input_ids, positions)
+        if meta.is_decode and self.graphs is not None and self.graphs.can_run(meta.num_seqs):
+            hidden = self.graphs.run(input_ids, positions, meta)
+        else:
+            with attention_context(meta):
+                hidden = self.model(input_ids, positions)
         if not batch.samplers:
             return SampleResult([], [])
-        rows = torch.tensor(batch.logit_rows, device=self.device)
+        rows = upload(batch.logit_rows, torch.long, self.device)
         logits = self.model.compute_logits(hidden.index_select(0, rows))
-        logits = logits.index_select(0, torch.tensor(batch.sample_rows, device=self.device))
+        if batch.sample_rows != list(range(len(batch.logit_rows))):  # n > 1 siblings share a row
+            logits = logits.index_select(0, upload(batch.sample_rows, torch.long, self.device))
         return self.sampler(logits, [self._sampling_row(s) for s in batch.samplers])
 
     def build_batch(self, out: SchedulerOutput) -> StepBatch:
@@ -109,27 +123,25 @@ class ModelRunner:
         for n in b.query_lens:
             cu.append(cu[-1] + n)
         meta = AttentionMetadata(
-            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(b.seq_lens, dtype=torch.int32, device=dev),
-            slot_mapping=torch.tensor(b.slot_mapping, dtype=torch.int64, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            cu_seqlens_q=upload(cu, torch.int32, dev),
+            seq_lens=upload(b.seq_lens, torch.int32, dev),
+            slot_mapping=upload(b.slot_mapping, torch.int64, dev),
+            block_tables=upload(tables, torch.int32, dev),
             query_lens_cpu=b.query_lens,
             seq_lens_cpu=b.seq_lens,
             max_seqlen_q=max(b.query_lens),
             max_seqlen_k=max(b.seq_lens),
             block_size=self.block_size,
         )
-        ids = torch.tensor(b.input_ids, dtype=torch.long, device=dev)
-        pos = torch.tensor(b.positions, dtype=torch.long, device=dev)
-        return ids, pos, meta
+        return upload(b.input_ids, torch.long, dev), upload(b.positions, torch.long, dev), meta
 
     # ------------------------------------------------------------------ helpers
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate shared blocks (all layers) before anyone writes into the copies."""
         if not copies:
             return
-        src = torch.tensor([s for s, _ in copies], device=self.device)
-        dst = torch.tensor([d for _, d in copies], device=self.device)
+        src = upload([s for s, _ in copies], torch.long, self.device)
+        dst = upload([d for _, d in copies], torch.long, self.device)
         for k_cache, v_cache in self.kv_caches:
             k_cache[dst] = k_cache[src]
             v_cache[dst] = v_cache[src]

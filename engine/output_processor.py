@@ -75,6 +75,8 @@ class OutputProcessor:
             reason = reason or "length"
         if self._detokenize(seq, skip_last=reason == "stop" and not st.stopped_by_string):
             reason = "stop"
+        if reason and not st.stopped_by_string:
+            st.text += st.detok.flush()  # an incomplete character held back at the very end
         return reason
 
     # ------------------------------------------------------------------ forced tokens
@@ -98,12 +100,13 @@ class OutputProcessor:
         if tool is None or [token] != self._encode(tool.python_end):
             return None
         self.faults.check("tool", seq.request)
-        out = seq.output_ids
-        start_id = self._encode(tool.python_start)
-        starts = [i for i, t in enumerate(out[:-1]) if [t] == start_id]
-        if not starts:
+        # the expression runs from the last python-start marker (prompt or output) to this end marker
+        ids = seq.token_ids
+        (start_id,) = self._encode(tool.python_start)[:1] or [None]
+        start = next((i for i in range(len(ids) - 2, -1, -1) if ids[i] == start_id), None)
+        if start is None:
             return None
-        value = evaluate(self.tokenizer.decode(out[starts[-1] + 1 : -1]))
+        value = evaluate(self.tokenizer.decode(ids[start + 1 : -1]))
         if value is None:
             return None
         return (self._encode(tool.output_start) + self._encode(format_result(value))

@@ -16,6 +16,12 @@ import torch
 from engine.sampling_params import SamplingParams
 
 
+def upload(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host list -> device tensor without stalling the GPU stream: a pinned, non-blocking copy."""
+    t = torch.tensor(values, dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
 @dataclass
 class SamplingRow:
     params: SamplingParams
@@ -35,12 +41,17 @@ class Sampler:
         self.vocab_size = vocab_size
         self.device = device
 
+    def _t(self, values, dtype=torch.float32) -> torch.Tensor:
+        return upload(values, dtype, self.device)
+
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if _wants_logprobs(rows) else None
         logits = self._apply_penalties(logits, rows)
-        greedy = torch.tensor([r.params.greedy for r in rows], device=self.device)
-        temperature = torch.tensor([r.params.temperature or 1.0 for r in rows], device=self.device)
+        if all(r.params.greedy for r in rows):  # the common benchmark case: one argmax, nothing else
+            return self._to_host(logits.argmax(dim=-1), raw_logprobs, rows)
+        greedy = self._t([r.params.greedy for r in rows], torch.bool)
+        temperature = self._t([r.params.temperature or 1.0 for r in rows])
         probs = torch.softmax(self._filter(logits / temperature[:, None], rows), dim=-1)
         noise = self._exponential_noise(rows, probs.shape)
         sampled = torch.where(greedy, logits.argmax(dim=-1), (probs / noise).argmax(dim=-1))
@@ -56,14 +67,14 @@ class Sampler:
         seen = torch.zeros(n, v, dtype=torch.bool, device=self.device)
         for i, r in enumerate(rows):
             if r.output_ids:
-                ids = torch.tensor(r.output_ids, device=self.device)
+                ids = self._t(r.output_ids, torch.long)
                 out_counts[i].index_add_(0, ids, torch.ones(len(ids), device=self.device))
             if r.prompt_ids:
-                seen[i, torch.tensor(r.prompt_ids, device=self.device)] = True
+                seen[i, self._t(r.prompt_ids, torch.long)] = True
         seen |= out_counts > 0
-        rep = torch.tensor([r.params.repetition_penalty for r in rows], device=self.device)[:, None]
-        pres = torch.tensor([r.params.presence_penalty for r in rows], device=self.device)[:, None]
-        freq = torch.tensor([r.params.frequency_penalty for r in rows], device=self.device)[:, None]
+        rep = self._t([r.params.repetition_penalty for r in rows])[:, None]
+        pres = self._t([r.params.presence_penalty for r in rows])[:, None]
+        freq = self._t([r.params.frequency_penalty for r in rows])[:, None]
         penalised = torch.where(logits > 0, logits / rep, logits * rep)
         logits = torch.where(seen, penalised, logits)
         return logits - freq * out_counts - pres * (out_counts > 0).float()
@@ -74,20 +85,19 @@ class Sampler:
         top_p = [r.params.top_p for r in rows]
         min_p = [r.params.min_p for r in rows]
         if any(k > 0 for k in top_k):
-            k = torch.tensor([k if k > 0 else self.vocab_size for k in top_k], device=self.device)
-            k = k.clamp(max=logits.shape[-1])
-            kmax = int(max(k.tolist()))  # host-side list built from params: no device sync
-            kth = torch.topk(logits, kmax, dim=-1).values.gather(1, (k - 1)[:, None])
+            ks = [min(k if k > 0 else self.vocab_size, logits.shape[-1]) for k in top_k]
+            k = self._t(ks, torch.long)
+            kth = torch.topk(logits, max(ks), dim=-1).values.gather(1, (k - 1)[:, None])
             logits = logits.masked_fill(logits < kth, float("-inf"))
         if any(p < 1.0 for p in top_p):
-            p = torch.tensor(top_p, device=self.device)[:, None]
+            p = self._t(top_p)[:, None]
             sorted_logits, order = logits.sort(dim=-1, descending=True)
             cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
             drop_sorted = (cum - sorted_logits.softmax(dim=-1)) >= p  # keep the token that crosses p
             drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
             logits = logits.masked_fill(drop, float("-inf"))
         if any(m > 0.0 for m in min_p):
-            m = torch.tensor(min_p, device=self.device)[:, None]
+            m = self._t(min_p)[:, None]
             probs = logits.softmax(dim=-1)
             logits = logits.masked_fill(probs < m * probs.max(dim=-1, keepdim=True).values, float("-inf"))
         return logits

@@ -54,11 +54,14 @@ class Tokenizer:
     def from_dir(cls, path: str | Path) -> Tokenizer:
         path = Path(path)
         if not path.is_dir():
-            raise FileNotFoundError(f"tokenizer directory {path} does not exist; pass a local checkpoint directory")
+            raise FileNotFoundError(
+                f"tokenizer directory {path} does not exist; pass a local checkpoint directory"
+            )
         if not any((path / name).is_file() for name in TOKENIZER_FILES):
             raise FileNotFoundError(
-                f"{path} has no tokenizer file (looked for {', '.join(TOKENIZER_FILES)}); copy the checkpoint's "
-                f"tokenizer.json and tokenizer_config.json into it, or make one with `python -m scripts.make_model`"
+                f"{path} has no tokenizer file (looked for {', '.join(TOKENIZER_FILES)}); copy the "
+                f"checkpoint's tokenizer.json and tokenizer_config.json into it, or make a checkpoint "
+                f"with `python -m scripts.make_model`"
             )
         from transformers import AutoTokenizer  # heavy import, only when a tokenizer is really loaded
 
@@ -75,7 +78,9 @@ class Tokenizer:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
-        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+        return self.hf.decode(
+            list(ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
+        )
 
     def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
         return self.hf.convert_ids_to_tokens(list(ids))
@@ -97,7 +102,9 @@ class Tokenizer:
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
         return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, **kwargs)
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> list[int]:
+    def encode_chat(
+        self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> list[int]:
         # The rendered text already holds the template's bos; adding specials again would double it.
         text = self.render_chat(messages, add_generation_prompt=add_generation_prompt, **kwargs)
         return self.encode(text, add_special_tokens=False)

@@ -24,12 +24,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_act import tanh
+from kernels.triton_attn_common import load_paged_rows, online_softmax_step, scores_log2
 
 MAX_SPLITS = 64  # reduce kernel's fixed block: one compiled variant for every split count
 PROGRAMS_PER_SM = 4  # enough resident CTAs to keep HBM busy while each waits on its loads
 INTERPRETER_SMS = 2  # stand-in SM count under TRITON_INTERPRET (CPU tensors): still yields splits
-LOG2E = tl.constexpr(1.4426950408889634)
 
 
 # Runtime ints that vary per layer or per shape are not specialised, so no value triggers a recompile.
@@ -61,27 +60,18 @@ def _decode_split_kernel(
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     bt_row = block_tables_ptr + b * stride_bt
-    # Every tile starts below `end`, so each holds >= 1 valid key and m_i is finite after the first.
+    # Every tile starts below `end`, so each holds >= 1 valid key (the decode query sees all of them).
     for n in range(start, end, BLOCK_N):
         pos = n + tl.arange(0, BLOCK_N)
         valid = pos < end
-        # Position pos lives in physical block block_table[pos // PAGE] at offset pos % PAGE.
-        blk = tl.load(bt_row + pos // PAGE, mask=valid, other=0).to(tl.int64)
-        kv_mask = valid[:, None] & dmask[None, :]
-        k_off = blk[:, None] * stride_kb + (pos % PAGE)[:, None] * stride_ks + kh * stride_kh + d[None, :]
-        k = tl.load(k_cache_ptr + k_off, mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale
-        if HAS_SOFTCAP:
-            s = softcap * tanh(s / softcap)
-        s = tl.where(valid[None, :], s * LOG2E, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v_off = blk[:, None] * stride_vb + (pos % PAGE)[:, None] * stride_vs + kh * stride_vh + d[None, :]
-        v = tl.load(v_cache_ptr + v_off, mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-        m_i = m_new
+        k = load_paged_rows(
+            k_cache_ptr, bt_row, pos, valid, kh, stride_kb, stride_ks, stride_kh, d, dmask, PAGE
+        )
+        s = scores_log2(q, k, valid[None, :], scale, softcap, HAS_SOFTCAP, DOT_PREC)
+        v = load_paged_rows(
+            v_cache_ptr, bt_row, pos, valid, kh, stride_vb, stride_vs, stride_vh, d, dmask, PAGE
+        )
+        m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_PREC)
 
     has = l_i > 0.0  # false only for an empty split
     o = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -169,6 +159,11 @@ def decode_attention(
         raise ValueError(f"decode_attention: q {tuple(q.shape)} does not fit caches {tuple(k_cache.shape)}")
     if q.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
         raise ValueError("decode_attention: the head_dim axis of q and the caches must be contiguous")
+    if seq_lens.shape[0] != batch or block_tables.shape[0] != batch:
+        raise ValueError(
+            f"decode_attention: q has {batch} rows but seq_lens {tuple(seq_lens.shape)} and block_tables "
+            f"{tuple(block_tables.shape)} disagree; pad all three to the same batch"
+        )
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     elif out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1:

@@ -20,8 +20,10 @@ def _store_kv_kernel(
 ):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)  # int64: slot * ROW overflows int32 on big caches
+    if slot < 0:
+        return
     idx = tl.arange(0, BLOCK)
-    mask = (idx < ROW) & (slot >= 0)
+    mask = idx < ROW
     head = idx // HEAD_DIM
     col = idx % HEAD_DIM
     k = tl.load(k_ptr + t * stride_kt + head * stride_kh + col, mask=mask)
@@ -33,7 +35,8 @@ def _store_kv_kernel(
 def store_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """k, v: [T, Hk, D] (last dim contiguous) -> caches [num_blocks, block_size, Hk, D] at slot_mapping [T]."""
+    """k, v: [T, Hk, D] (last dim contiguous) -> caches [num_blocks, block_size, Hk, D] at slot_mapping
+    [T] (int64 flat slots; -1 = skip)."""
     num_tokens, num_kv_heads, head_dim = k.shape
     if k_cache.shape[2:] != (num_kv_heads, head_dim) or v_cache.shape != k_cache.shape:
         raise ValueError(

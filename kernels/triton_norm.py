@@ -73,6 +73,8 @@ def _launch(x, residual, weight, eps, weight_offset, out=None, residual_out=None
     res2 = _rows(residual) if residual is not None else x2
     res_out = _out(residual_out, x, "residual_out") if residual is not None else out
     res_out2 = res_out.view(-1, n)
+    if x2.shape[0] == 0:
+        return out, res_out
     block = triton.next_power_of_2(n)
     # ~16-byte vectors per thread: 8 bf16 lanes x 32 threads = 256 elements per warp.
     num_warps = min(16, max(1, block // 256))

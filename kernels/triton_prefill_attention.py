@@ -16,21 +16,19 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_act import tanh
-
-LOG2E = tl.constexpr(1.4426950408889634)
+from kernels.triton_attn_common import load_paged_rows, online_softmax_step, scores_log2
 
 
 @triton.jit
 def _load_kv_tile(base_ptr, bt_row, seq_start, kpos, kvalid, kh, stride_b, stride_s, stride_h, d, dmask,
                   PAGED: tl.constexpr, PAGE: tl.constexpr):  # fmt: skip
-    """[BLOCK_N, BLOCK_D] rows of keys or values at positions kpos of one sequence and KV head."""
+    """[BLOCK_N, BLOCK_D] keys or values at positions kpos of one sequence and KV head."""
     if PAGED:
-        blk = tl.load(bt_row + kpos // PAGE, mask=kvalid, other=0).to(tl.int64)
-        row_off = blk * stride_b + (kpos % PAGE) * stride_s
-    else:
-        row_off = (seq_start + kpos).to(tl.int64) * stride_b  # packed rows: stride_b is the token stride
-    ptrs = base_ptr + row_off[:, None] + kh * stride_h + d[None, :]
+        return load_paged_rows(
+            base_ptr, bt_row, kpos, kvalid, kh, stride_b, stride_s, stride_h, d, dmask, PAGE
+        )
+    rows = (seq_start + kpos).to(tl.int64)  # packed like q: stride_b is the token stride
+    ptrs = base_ptr + rows[:, None] * stride_b + kh * stride_h + d[None, :]
     return tl.load(ptrs, mask=kvalid[:, None] & dmask[None, :], other=0.0)
 
 
@@ -76,22 +74,13 @@ def _prefill_kernel(
         kvalid = kpos < hi
         k = _load_kv_tile(k_ptr, bt_row, q_start, kpos, kvalid, kh, stride_kb, stride_ks, stride_kh, d,
                           dmask, PAGED, PAGE)  # fmt: skip
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale
-        if HAS_SOFTCAP:
-            s = softcap * tanh(s / softcap)
         allowed = kvalid[None, :] & (kpos[None, :] <= qpos[:, None])
         allowed = allowed & ((window <= 0) | (qpos[:, None] - kpos[None, :] < window))
-        s = tl.where(allowed, s * LOG2E, float("-inf"))
-        # A row may see nothing in this tile (window edge, padding rows): keep exp2 away from inf - inf.
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        s = scores_log2(q, k, allowed, scale, softcap, HAS_SOFTCAP, DOT_PREC)
         v = _load_kv_tile(v_ptr, bt_row, q_start, kpos, kvalid, kh, stride_vb, stride_vs, stride_vh, d,
                           dmask, PAGED, PAGE)  # fmt: skip
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-        m_i = m_new
+        # Rows may see nothing in a tile (window edge, rows past q_len): the step keeps them at 0.
+        m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_PREC)
 
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     out_ptrs = out_ptr + rows[:, None] * stride_ot + h * stride_oh + d[None, :]

@@ -40,8 +40,9 @@ def tensor_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
-def init_tensor(spec: ModelSpec, name: str, shape: tuple[int, ...], seed: int, dtype: torch.dtype,
-                device: str) -> torch.Tensor:
+def init_tensor(
+    spec: ModelSpec, name: str, shape: tuple[int, ...], seed: int, dtype: torch.dtype, device: str
+) -> torch.Tensor:
     gen = torch.Generator(device=device)
     gen.manual_seed(tensor_seed(seed, name))
     x = torch.randn(shape, generator=gen, device=device, dtype=torch.float32)
@@ -75,7 +76,9 @@ def write_weights(spec: ModelSpec, out_dir: Path, seed: int, dtype: str, device:
     shards = plan_shards(shapes, itemsize, max_bytes)
     total = sum(itemsize * torch.Size(s).numel() for s in shapes.values())
     n = len(shards)
-    files = ["model.safetensors"] if n == 1 else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
+    files = (
+        ["model.safetensors"] if n == 1 else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
+    )
     bar = tqdm(total=total, unit="B", unit_scale=True, desc=spec.name, disable=total < 2**26)
     for names, filename in zip(shards, files):
         tensors = {}
@@ -83,6 +86,7 @@ def write_weights(spec: ModelSpec, out_dir: Path, seed: int, dtype: str, device:
             tensors[name] = init_tensor(spec, name, shapes[name], seed, torch_dtype, device).cpu()
             bar.update(tensors[name].numel() * itemsize)
         save_file(tensors, str(out_dir / filename), metadata={"format": "pt"})
+        (out_dir / filename).chmod(0o644)  # safetensors creates files private to the owner
         del tensors  # free this shard before generating the next
     bar.close()
     if n > 1:
@@ -107,8 +111,14 @@ def _clear_old_weights(out_dir: Path) -> None:
         old.unlink(missing_ok=True)
 
 
-def make_model(name: str, out_dir: str | Path, seed: int = 0, dtype: str | None = None, device: str = "cpu",
-               max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
+def make_model(
+    name: str,
+    out_dir: str | Path,
+    seed: int = 0,
+    dtype: str | None = None,
+    device: str = "cpu",
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+) -> Path:
     """Write checkpoint NAME into out_dir (created if needed; old weights there are replaced)."""
     spec = get_spec(name)
     dtype = dtype or spec.dtype
@@ -138,13 +148,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("name", help="checkpoint shape: tiny, tiny-qwen3, tiny-gemma3, llama-3.2-1b, ...")
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dtype", choices=sorted(TORCH_DTYPES), default=None, help="default: the shape's own")
+    parser.add_argument(
+        "--dtype", choices=sorted(TORCH_DTYPES), default=None, help="default: the shape's own"
+    )
     parser.add_argument("--device", default="cpu", help="where weights are generated: cpu or cuda")
     parser.add_argument("--max-shard-gib", type=float, default=DEFAULT_SHARD_BYTES / 2**30)
     args = parser.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: CUDA is not available here; use --device cpu")
-    out = make_model(args.name, args.out_dir, args.seed, args.dtype, args.device, int(args.max_shard_gib * 2**30))
+    out = make_model(
+        args.name, args.out_dir, args.seed, args.dtype, args.device, int(args.max_shard_gib * 2**30)
+    )
     spec = get_spec(args.name)
     print(f"wrote {args.name} ({spec.family}, {param_count(spec):,} parameters) to {out}")
 

@@ -78,22 +78,34 @@ class FamilyTokens:
     eos_ids: list[str]  # every token that ends generation (config / generation_config eos_token_id)
     pad: str | None
     add_bos: bool  # encode(add_special_tokens=True) prepends bos
+    tokenizer_bos: bool = True  # Qwen names bos_token_id in config.json but no bos_token in its tokenizer
 
 
 FAMILY_TOKENS = {
     "llama": FamilyTokens(
         ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
-        bos="<|begin_of_text|>", eos="<|eot_id|>", eos_ids=["<|end_of_text|>", "<|eot_id|>"], pad=None,
+        bos="<|begin_of_text|>",
+        eos="<|eot_id|>",
+        eos_ids=["<|end_of_text|>", "<|eot_id|>"],
+        pad=None,
         add_bos=True,
     ),
     "qwen3": FamilyTokens(
         ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        bos="<|endoftext|>", eos="<|im_end|>", eos_ids=["<|im_end|>", "<|endoftext|>"], pad="<|endoftext|>",
+        bos="<|endoftext|>",
+        eos="<|im_end|>",
+        eos_ids=["<|im_end|>", "<|endoftext|>"],
+        pad="<|endoftext|>",
         add_bos=False,
+        tokenizer_bos=False,
     ),
     "gemma3": FamilyTokens(
         ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"],
-        bos="<bos>", eos="<eos>", eos_ids=["<eos>", "<end_of_turn>"], pad="<pad>", add_bos=True,
+        bos="<bos>",
+        eos="<eos>",
+        eos_ids=["<eos>", "<end_of_turn>"],
+        pad="<pad>",
+        add_bos=True,
     ),
 }
 
@@ -107,7 +119,9 @@ def _train_bpe(max_tokens: int) -> tuple[list[str], list[tuple[str, str]]]:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     trainer = trainers.BpeTrainer(
-        vocab_size=max_tokens, min_frequency=2, show_progress=False,
+        vocab_size=max_tokens,
+        min_frequency=2,
+        show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(CORPUS.splitlines(keepends=True), trainer)
@@ -131,7 +145,9 @@ def build_vocab(family: str, vocab_size: int) -> tuple[list[str], list[tuple[str
     bpe, merges = _train_bpe(min(MAX_BPE_TOKENS, vocab_size - len(specials)))
     base = _special_base(family, vocab_size, len(bpe))
     if base + len(specials) > vocab_size or (family == "gemma3" and len(specials) + len(bpe) > vocab_size):
-        raise ValueError(f"vocab_size {vocab_size} is too small for {len(bpe)} BPE and {len(specials)} special tokens")
+        raise ValueError(
+            f"vocab_size {vocab_size} is too small for {len(bpe)} BPE and {len(specials)} special tokens"
+        )
     ids: list[str | None] = [None] * vocab_size
     ids[base : base + len(specials)] = specials
     start = len(specials) if family == "gemma3" else 0
@@ -163,7 +179,7 @@ def tokenizer_config(family: str, chat_template: str, max_len: int) -> dict:
     ft = FAMILY_TOKENS[family]
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": ft.bos,
+        "bos_token": ft.bos if ft.tokenizer_bos else None,
         "eos_token": ft.eos,
         "pad_token": ft.pad,
         "unk_token": "<unk>" if family == "gemma3" else None,

@@ -8,7 +8,7 @@ load, and `tensor_shapes` lists every tensor under the exact name transformers s
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 FAMILY_ARCH = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 FAMILY_MODEL_TYPE = {"llama": "llama", "qwen3": "qwen3", "gemma3": "gemma3_text"}
@@ -40,7 +40,6 @@ class ModelSpec:
     sliding_window_pattern: int | None = None
     rope_local_base_freq: float | None = None
     query_pre_attn_scalar: float | None = None
-    extra: dict = field(default_factory=dict)
 
     def layer_types(self) -> list[str]:
         if self.family != "gemma3":
@@ -49,30 +48,26 @@ class ModelSpec:
         return ["full_attention" if (i + 1) % p == 0 else "sliding_attention" for i in range(self.num_layers)]
 
 
-SPECS: dict[str, ModelSpec] = {
-    s.name: s
-    for s in [
-        ModelSpec("tiny", "llama", 64, 2, 4, 2, 16, 128, 2048, 4096, 10000.0, False, "fp32", 1e-5),
-        ModelSpec("tiny-qwen3", "qwen3", 64, 2, 4, 2, 32, 128, 2048, 4096, 1000000.0, True, "fp32", 1e-6),
-        ModelSpec(
-            "tiny-gemma3", "gemma3", 64, 4, 4, 1, 32, 128, 2048, 4096, 1000000.0, True, "fp32", 1e-6,
-            sliding_window=32, sliding_window_pattern=3, rope_local_base_freq=10000.0, query_pre_attn_scalar=32,
-        ),
-        ModelSpec(
-            "llama-3.2-1b", "llama", 2048, 16, 32, 8, 64, 8192, 128256, 131072, 500000.0, True, "bf16", 1e-5,
-            rope_scaling={**_LLAMA3_ROPE, "factor": 32.0, "original_max_position_embeddings": 8192},
-        ),
-        ModelSpec(
-            "llama-3.1-8b", "llama", 4096, 32, 32, 8, 128, 14336, 128256, 131072, 500000.0, False, "bf16", 1e-5,
-            rope_scaling={**_LLAMA3_ROPE, "factor": 8.0, "original_max_position_embeddings": 8192},
-        ),
-        ModelSpec("qwen3-0.6b", "qwen3", 1024, 28, 16, 8, 128, 3072, 151936, 40960, 1000000.0, True, "bf16", 1e-6),
-        ModelSpec(
-            "gemma-3-1b", "gemma3", 1152, 26, 4, 1, 256, 6912, 262144, 32768, 1000000.0, True, "bf16", 1e-6,
-            sliding_window=512, sliding_window_pattern=6, rope_local_base_freq=10000.0, query_pre_attn_scalar=256,
-        ),
-    ]
-}
+_GEMMA_1B_LOCAL = dict(sliding_window=512, sliding_window_pattern=6, rope_local_base_freq=10000.0)
+_TINY_GEMMA_LOCAL = dict(sliding_window=32, sliding_window_pattern=3, rope_local_base_freq=10000.0)
+
+# fmt: off
+# One row per checkpoint; columns are the ModelSpec fields in order (intermediate: the MLP width):
+# name, family, hidden, layers, heads, kv_heads, head_dim, inter, vocab, max_pos, theta, tie, dtype, eps
+SPECS: dict[str, ModelSpec] = {s.name: s for s in [
+  ModelSpec("tiny",         "llama",    64,  2,  4, 2,  16,   128,   2048,   4096, 1e4, False, "fp32", 1e-5),
+  ModelSpec("tiny-qwen3",   "qwen3",    64,  2,  4, 2,  32,   128,   2048,   4096, 1e6, True,  "fp32", 1e-6),
+  ModelSpec("tiny-gemma3",  "gemma3",   64,  4,  4, 1,  32,   128,   2048,   4096, 1e6, True,  "fp32", 1e-6,
+            query_pre_attn_scalar=32, **_TINY_GEMMA_LOCAL),
+  ModelSpec("llama-3.2-1b", "llama",  2048, 16, 32, 8,  64,  8192, 128256, 131072, 5e5, True,  "bf16", 1e-5,
+            rope_scaling={**_LLAMA3_ROPE, "factor": 32.0, "original_max_position_embeddings": 8192}),
+  ModelSpec("llama-3.1-8b", "llama",  4096, 32, 32, 8, 128, 14336, 128256, 131072, 5e5, False, "bf16", 1e-5,
+            rope_scaling={**_LLAMA3_ROPE, "factor": 8.0, "original_max_position_embeddings": 8192}),
+  ModelSpec("qwen3-0.6b",   "qwen3",  1024, 28, 16, 8, 128,  3072, 151936,  40960, 1e6, True,  "bf16", 1e-6),
+  ModelSpec("gemma-3-1b",   "gemma3", 1152, 26,  4, 1, 256,  6912, 262144,  32768, 1e6, True,  "bf16", 1e-6,
+            query_pre_attn_scalar=256, **_GEMMA_1B_LOCAL),
+]}
+# fmt: on
 
 
 def get_spec(name: str) -> ModelSpec:
@@ -89,8 +84,12 @@ def _rope_fields(spec: ModelSpec) -> dict:
             "full_attention": {"rope_type": "default", "rope_theta": spec.rope_theta},
             "sliding_attention": {"rope_type": "default", "rope_theta": spec.rope_local_base_freq},
         }
-        return {"rope_theta": spec.rope_theta, "rope_local_base_freq": spec.rope_local_base_freq,
-                "rope_scaling": None, "rope_parameters": params}
+        return {
+            "rope_theta": spec.rope_theta,
+            "rope_local_base_freq": spec.rope_local_base_freq,
+            "rope_scaling": None,
+            "rope_parameters": params,
+        }
     params = {"rope_type": "default", **(spec.rope_scaling or {}), "rope_theta": spec.rope_theta}
     return {"rope_theta": spec.rope_theta, "rope_scaling": spec.rope_scaling, "rope_parameters": params}
 
@@ -99,8 +98,13 @@ def _family_fields(spec: ModelSpec) -> dict:
     if spec.family == "llama":
         return {"hidden_act": "silu", "mlp_bias": False, "pretraining_tp": 1}
     if spec.family == "qwen3":
-        return {"hidden_act": "silu", "max_window_layers": spec.num_layers, "sliding_window": None,
-                "use_sliding_window": False, "layer_types": spec.layer_types()}
+        return {
+            "hidden_act": "silu",
+            "max_window_layers": spec.num_layers,
+            "sliding_window": None,
+            "use_sliding_window": False,
+            "layer_types": spec.layer_types(),
+        }
     return {
         "hidden_activation": "gelu_pytorch_tanh",
         "query_pre_attn_scalar": spec.query_pre_attn_scalar,
@@ -141,7 +145,6 @@ def hf_config(spec: ModelSpec, dtype: str, bos_id: int, eos_ids: list[int], pad_
     }
     cfg.update(_rope_fields(spec))
     cfg.update(_family_fields(spec))
-    cfg.update(spec.extra)
     return dict(sorted(cfg.items()))
 
 

@@ -34,8 +34,13 @@ def tiny_hf_config(family: str):
     import transformers
 
     if family == "llama":
-        rope = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                    original_max_position_embeddings=64)
+        rope = dict(
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=64,
+        )
         return transformers.LlamaConfig(
             **_COMMON, num_hidden_layers=2, rope_theta=500000.0, rope_scaling=rope, tie_word_embeddings=False
         )

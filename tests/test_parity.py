@@ -95,7 +95,13 @@ def test_greedy_recompute_matches_generate(checkpoint):
 
 # Each step: {sequence index: new tokens}. Step 0-1 are chunked prefills (sequence 2 joins at step 1),
 # step 2 mixes decodes with sequence 2's second chunk, steps 3-4 are pure decodes.
-PAGED_STEPS = [{0: 3, 1: 10}, {0: 2, 1: 13, 2: 17}, {0: 1, 1: 1, 2: 23}, {0: 1, 1: 1, 2: 1}, {0: 1, 1: 1, 2: 1}]
+PAGED_STEPS = [
+    {0: 3, 1: 10},
+    {0: 2, 1: 13, 2: 17},
+    {0: 1, 1: 1, 2: 23},
+    {0: 1, 1: 1, 2: 1},
+    {0: 1, 1: 1, 2: 1},
+]
 
 
 @torch.no_grad()
@@ -105,18 +111,20 @@ def test_paged_kv_cache_matches_full_recompute(checkpoint):
     final_lens = [sum(step.get(s, 0) for step in PAGED_STEPS) for s in range(3)]
     tokens = _random_prompts(final_lens, cfg.vocab_size, seed=3)
     tables, num_blocks = shuffled_block_tables(final_lens, block_size, spare=5)
+    ref = _packed_logits(model, tokens)  # before any cache exists
     layers = [m for m in model.modules() if isinstance(m, Attention)]
     for layer in layers:  # NaN everywhere: reading a slot that was never written poisons the logits
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         layer.k_cache, layer.v_cache = torch.full(shape, float("nan")), torch.full(shape, float("nan"))
     try:
-        ref = _packed_logits(model, tokens)
         starts = torch.tensor([0, *final_lens]).cumsum(0).tolist()
         done = [0, 0, 0]
         for step in PAGED_STEPS:
             seqs = list(step)
             seq_lens = [done[s] + step[s] for s in seqs]
-            meta = paged_step_metadata([step[s] for s in seqs], seq_lens, [tables[s] for s in seqs], block_size)
+            meta = paged_step_metadata(
+                [step[s] for s in seqs], seq_lens, [tables[s] for s in seqs], block_size
+            )
             ids = torch.tensor([t for s in seqs for t in tokens[s][done[s] : done[s] + step[s]]])
             positions = torch.cat([torch.arange(done[s], done[s] + step[s]) for s in seqs])
             with attention_context(meta):
@@ -133,12 +141,25 @@ def test_paged_kv_cache_matches_full_recompute(checkpoint):
 def _tiny_gemma3_multimodal():
     torch.manual_seed(0)
     vision = transformers.SiglipVisionConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=16,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=16,
         patch_size=4,
     )
+    text = tiny_hf_config("gemma3")
+    # Gemma3ForConditionalGeneration never applies final_logit_softcapping (real Gemma 3 configs set it
+    # to null); we apply whatever config.json says, so leave it unset here to compare like with like.
+    text.final_logit_softcapping = None
     cfg = transformers.Gemma3Config(
-        text_config=tiny_hf_config("gemma3").to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
-        image_token_index=300, boi_token_index=301, eoi_token_index=302, attn_implementation="eager",
+        text_config=text.to_dict(),
+        vision_config=vision.to_dict(),
+        mm_tokens_per_image=4,
+        image_token_index=300,
+        boi_token_index=301,
+        eoi_token_index=302,
+        attn_implementation="eager",
     )
     return transformers.Gemma3ForConditionalGeneration(cfg).float().eval()
 
@@ -182,8 +203,18 @@ def test_config_spellings_agree(family, tmp_path):
     raw = json.loads((tmp_path / "config.json").read_text())
     new = ModelConfig.from_dir(tmp_path)
     old = ModelConfig.from_dict(_to_4x_spelling(raw))
-    for name in ("rope_theta", "rope_scaling", "rope_local_base_freq", "layer_types", "sliding_windows",
-                 "num_kv_heads", "head_dim", "tie_word_embeddings", "eos_token_ids", "hidden_activation"):
+    for name in (
+        "rope_theta",
+        "rope_scaling",
+        "rope_local_base_freq",
+        "layer_types",
+        "sliding_windows",
+        "num_kv_heads",
+        "head_dim",
+        "tie_word_embeddings",
+        "eos_token_ids",
+        "hidden_activation",
+    ):
         assert getattr(old, name) == getattr(new, name), name
     assert old.torch_dtype == "bfloat16"
     if family == "gemma3":

@@ -1,0 +1,84 @@
+"""The `serve run` entry point: `app.builder:build_app`, configured by serve_config.yaml's `args`.
+
+Serve validates `args` against `AppArgs` because the builder's parameter is annotated with it; that
+needs real (not stringified) annotations, so this module must not use `from __future__ import
+annotations`. Engine options are EngineConfig.from_kwargs keywords (block_size, max_num_seqs,
+max_waiting, gpu_memory_utilization, num_blocks, max_model_len, dtype, ...) and are checked here, in
+the driver, so a typo fails `serve run` at once instead of crash-looping a replica.
+"""
+
+import os
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+from ray.serve import Application
+
+from app.engine_deployment import EngineDeployment
+from app.ingress import Ingress
+from engine.config import EngineConfig
+
+# Serve-level slots on the engine deployment beyond our own admission limit, so that a stream over the
+# limit still reaches `generate` (and gets a 503 at once) instead of queueing in the caller, and so that
+# /health and /v1/engine/stats calls get through on a full replica.
+_CONTROL_HEADROOM = 16
+
+
+class AppArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field("models/tiny-llama", description="local HF-format checkpoint directory")
+    served_model_name: str | None = Field(None, description="API model name; default: directory name")
+    engine: dict[str, Any] = Field(default_factory=dict, description="EngineConfig.from_kwargs options")
+    num_gpus: float | None = Field(None, description="per engine replica; default 1 if CUDA, else 0")
+    engine_num_cpus: float = 1.0
+    num_replicas: int = Field(1, ge=1, description="engine replicas (ignored with autoscaling_config)")
+    autoscaling_config: dict[str, Any] | None = Field(None, description="Serve autoscaling for the engine")
+    max_ongoing_requests: int = Field(256, ge=1, description="open streams per engine replica; 503 beyond")
+    stream_interval_ms: float = Field(0.0, ge=0, description="merge outputs after the first within this")
+    retry_after_s: int = Field(1, ge=0, description="Retry-After header of 503 answers")
+    default_max_tokens: int = Field(256, ge=1, description="chat max_tokens when the request sets none")
+    stats_interval_s: float = Field(1.0, gt=0, description="engine stats -> metrics gauges period")
+    ingress_num_replicas: int = Field(1, ge=1)
+    ingress_num_cpus: float = 0.5
+    ingress_max_ongoing_requests: int = Field(4096, ge=1, description="Serve's default of 5 would cap streams")
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def resolve_model_dir(path: str) -> str:
+    model = os.path.abspath(os.path.expanduser(path))
+    if not os.path.isfile(os.path.join(model, "config.json")):
+        raise ValueError(
+            f"args.model: no checkpoint at {model} (config.json missing). Create the default tiny model "
+            "with `make model`, or set `model` in serve_config.yaml to a local HF-format directory."
+        )
+    return model
+
+
+def build_app(args: AppArgs) -> Application:
+    model = resolve_model_dir(args.model)
+    try:
+        EngineConfig.from_kwargs(model, **args.engine)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"args.engine: {exc}") from exc
+    num_gpus = args.num_gpus if args.num_gpus is not None else (1 if _cuda_available() else 0)
+    scaling: dict[str, Any] = (
+        {"autoscaling_config": args.autoscaling_config} if args.autoscaling_config
+        else {"num_replicas": args.num_replicas}
+    )
+    engine = EngineDeployment.options(
+        ray_actor_options={"num_gpus": num_gpus, "num_cpus": args.engine_num_cpus},
+        max_ongoing_requests=args.max_ongoing_requests + _CONTROL_HEADROOM,
+        **scaling,
+    ).bind(model, args.engine, args.max_ongoing_requests, args.stream_interval_ms, args.retry_after_s,
+           args.stats_interval_s)
+    name = args.served_model_name or os.path.basename(model.rstrip("/"))
+    return Ingress.options(
+        num_replicas=args.ingress_num_replicas,
+        max_ongoing_requests=args.ingress_max_ongoing_requests,
+        ray_actor_options={"num_cpus": args.ingress_num_cpus},
+    ).bind(engine, name, args.default_max_tokens, args.retry_after_s)

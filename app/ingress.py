@@ -1,0 +1,278 @@
+"""The HTTP ingress: FastAPI routes on a Serve deployment, forwarding to the engine deployment.
+
+Every generation request goes through the engine's streaming `generate` (also when the client asked
+for one JSON body), and the first item of every engine stream is awaited before the response starts:
+an overload or a rejected prompt becomes a proper 4xx/5xx with an OpenAI error body, never a 200
+followed by a broken stream. Hardening (API key, body-size limit) belongs in `install_hooks`.
+
+No `from __future__ import annotations` here: FastAPI must see the route parameters' real types
+(Serve re-wraps the methods, and string annotations would then not resolve: the body would be
+mistaken for a query parameter).
+"""
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+from ray.exceptions import RayActorError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from app.errors import ApiError, from_engine_error, internal, overloaded
+from app.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from app.sse import DONE, ResponseAssembler, item_error, sse_error
+from engine.errors import InvalidRequestError
+
+logger = logging.getLogger("ray.serve")
+api = FastAPI(title="minserve", description="OpenAI-compatible completions on a paged-KV engine.")
+
+
+def install_hooks(app: FastAPI) -> None:
+    """The one place for request-level hardening (issue 6: API key, body-size limit). Empty for now."""
+
+
+install_hooks(api)
+
+
+@api.exception_handler(RequestValidationError)
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    errors = exc.errors()
+    first = errors[0] if errors else {"type": "invalid", "loc": (), "msg": "invalid request"}
+    if first["type"] == "json_invalid":
+        detail = first.get("ctx", {}).get("error", "")
+        return ApiError(400, f"malformed JSON body: {detail}; send a JSON object", code="invalid_json").response()
+    path = [str(p) for p in first["loc"] if p != "body"]
+    field = path[0] if path else None  # the top-level request field; the message carries the full path
+    where = ".".join(path) or "body"
+    if first["type"] == "extra_forbidden":
+        message = f"unknown field '{where}': remove it (see the OpenAI API reference and the README)"
+    elif first["type"] == "missing":
+        message = f"{where}: field required"
+    else:
+        message = f"{where}: {first['msg']}"
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more problem(s))"
+    return ApiError(422, message, param=field, code=first["type"]).response()
+
+
+@api.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return ApiError(exc.status_code, str(exc.detail), kind).response()
+
+
+@api.exception_handler(Exception)
+async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    logger.exception("unhandled error")
+    return internal(f"internal error: {type(exc).__name__}").response()
+
+
+def _handle_failure(exc: BaseException, retry_after: int) -> ApiError:
+    """A failed call to the engine deployment (not an error the engine reported)."""
+    if isinstance(exc, BackPressureError):
+        return overloaded(f"server busy: {exc}", retry_after)
+    if isinstance(exc, (DeploymentUnavailableError, RayActorError)):
+        return ApiError(503, f"engine unavailable: {type(exc).__name__}", "server_error", code="engine_unavailable",
+                        retry_after=retry_after)
+    logger.error("engine call failed: %r", exc)
+    return internal(f"engine call failed: {type(exc).__name__}: {exc}")
+
+
+class _Stream:
+    """One engine request's item stream, tagged with its prompt index."""
+
+    def __init__(self, index: int, gen: DeploymentResponseGenerator):
+        self.index, self.gen, self.done = index, gen, False
+
+    def cancel(self) -> None:
+        if not self.done:
+            self.done = True
+            self.gen.cancel()
+
+
+@serve.deployment(name="Ingress")
+@serve.ingress(api)
+class Ingress:
+    def __init__(self, engine: DeploymentHandle, model_name: str, default_max_tokens: int = 256,
+                 retry_after_s: int = 1):
+        self._engine = engine
+        self._stream = engine.options(stream=True)  # built once: options() per request is not free
+        self._model = model_name
+        self._default_max_tokens = default_max_tokens
+        self._retry_after = retry_after_s
+        self._max_model_len: int | None = None
+
+    # ------------------------------------------------------------ info routes
+
+    @api.get("/health")
+    async def health(self) -> Response:
+        try:
+            alive = await self._engine.is_alive.remote()
+        except Exception as exc:
+            return _handle_failure(exc, self._retry_after).response()
+        if not alive:
+            return ApiError(503, "engine loop is dead", "server_error", code="engine_dead",
+                            retry_after=self._retry_after).response()
+        return JSONResponse({"status": "ok"})
+
+    @api.get("/v1/models")
+    async def models(self) -> ModelList:
+        if self._max_model_len is None:
+            self._max_model_len = (await self._engine.info.remote())["max_model_len"]
+        card = ModelCard(id=self._model, created=int(time.time()), max_model_len=self._max_model_len)
+        return ModelList(data=[card])
+
+    @api.get("/v1/engine/stats")
+    async def engine_stats(self) -> dict:
+        """KV blocks in use, queue lengths, counters (of the replica that answers)."""
+        return await self._engine.stats.remote()
+
+    @api.get("/v1/engine/audit")
+    async def engine_audit(self) -> dict:
+        return {"problems": await self._engine.audit.remote()}
+
+    # ------------------------------------------------------------ generation routes
+
+    @api.post("/v1/completions")
+    async def completions(self, body: CompletionRequest) -> Response:
+        if body.model != self._model:
+            return self._unknown_model(body.model)
+        try:
+            prompts, params = body.prompts(), body.sampling_params()
+        except InvalidRequestError as exc:
+            return from_engine_error(exc, self._retry_after).response()
+        out = ResponseAssembler(False, f"cmpl-{uuid.uuid4().hex}", self._model, params.n, len(prompts))
+        return await self._respond(prompts, params, out, body.stream, body.include_usage)
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, body: ChatCompletionRequest) -> Response:
+        if body.model != self._model:
+            return self._unknown_model(body.model)
+        try:
+            params = body.sampling_params(self._default_max_tokens)
+        except InvalidRequestError as exc:
+            return from_engine_error(exc, self._retry_after).response()
+        out = ResponseAssembler(True, f"chatcmpl-{uuid.uuid4().hex}", self._model, params.n, 1)
+        return await self._respond([body.engine_messages()], params, out, body.stream, body.include_usage)
+
+    def _unknown_model(self, name: str) -> JSONResponse:
+        return ApiError(404, f"model '{name}' does not exist; this server serves '{self._model}' "
+                        "(GET /v1/models)", "not_found_error", "model", "model_not_found").response()
+
+    async def _respond(self, prompts: list, params, out: ResponseAssembler, stream: bool,
+                       include_usage: bool) -> Response:
+        streams = await self._open(prompts, params, out.id)
+        if isinstance(streams, ApiError):
+            return streams.response()
+        headers = {"X-Request-Id": out.id}
+        if stream:
+            return StreamingResponse(self._sse(streams, out, include_usage), media_type="text/event-stream",
+                                     headers={**headers, "Cache-Control": "no-cache"})
+        try:
+            async for index, item in self._merge(streams):
+                err = item if isinstance(item, ApiError) else item_error(item)
+                if err is not None:
+                    return err.response()
+                out.add(index, item)
+            return JSONResponse(out.final(), headers=headers)
+        finally:
+            for s in streams:
+                s.cancel()
+
+    async def _open(self, prompts: list, params, request_id: str) -> list[_Stream] | ApiError:
+        """Start one engine request per prompt and wait until each is accepted (or refused)."""
+        streams = [_Stream(i, self._stream.generate.remote(p, params, f"{request_id}-{i}"))
+                   for i, p in enumerate(prompts)]
+        try:
+            firsts = await asyncio.gather(*(self._first(s) for s in streams))
+        except BaseException:  # cancelled (client gone) while waiting: release the engine requests
+            for s in streams:
+                s.cancel()
+            raise
+        errors = [f for f in firsts if isinstance(f, ApiError)]
+        if errors:
+            for s in streams:
+                s.cancel()
+            return errors[0]
+        return streams
+
+    async def _first(self, s: _Stream) -> dict | ApiError:
+        try:
+            item = await s.gen.__anext__()
+        except StopAsyncIteration:
+            s.done = True
+            return internal("engine stream ended before accepting the request")
+        except Exception as exc:
+            s.done = True
+            return _handle_failure(exc, self._retry_after)
+        if isinstance(item, ApiError):
+            s.done = True  # the engine side has already returned
+        return item
+
+    async def _merge(self, streams: list[_Stream]) -> AsyncIterator[tuple[int, dict | ApiError]]:
+        """Items of all streams as they come; a failed call becomes an ApiError item."""
+        if len(streams) == 1:
+            async for pair in self._pump(streams[0]):
+                yield pair
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def forward(s: _Stream) -> None:
+            async for pair in self._pump(s):
+                await queue.put(pair)
+            await queue.put(None)
+
+        tasks = [asyncio.create_task(forward(s)) for s in streams]
+        try:
+            remaining = len(streams)
+            while remaining:
+                pair = await queue.get()
+                if pair is None:
+                    remaining -= 1
+                else:
+                    yield pair
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def _pump(self, s: _Stream) -> AsyncIterator[tuple[int, dict | ApiError]]:
+        while not s.done:
+            try:
+                item = await s.gen.__anext__()
+            except StopAsyncIteration:
+                s.done = True
+                yield s.index, internal("engine stream ended without a final output")
+                return
+            except Exception as exc:
+                s.done = True
+                yield s.index, _handle_failure(exc, self._retry_after)
+                return
+            s.done = isinstance(item, ApiError) or item["finished"]
+            yield s.index, item
+
+    async def _sse(self, streams: list[_Stream], out: ResponseAssembler, include_usage: bool
+                   ) -> AsyncIterator[str]:
+        try:
+            if out.chat:
+                yield out.role_chunk()
+            async for index, item in self._merge(streams):
+                err = item if isinstance(item, ApiError) else item_error(item)
+                if err is not None:
+                    yield sse_error(err)
+                    return
+                chunk = out.chunk(index, item)
+                if chunk is not None:
+                    yield chunk
+            if include_usage:
+                yield out.usage_chunk()
+            yield DONE
+        finally:
+            for s in streams:
+                s.cancel()
