@@ -158,7 +158,8 @@ class EngineDeployment:
         return self.engine.audit()
 
     def info(self) -> dict:
-        return {"model": self.engine.model_name, "max_model_len": self.engine.max_model_len}
+        return {"model": self.engine.model_name, "max_model_len": self.engine.max_model_len,
+                "vocab_size": self.engine.tokenizer.vocab_size}
 
     def is_alive(self) -> bool:
         return self.engine.is_alive()

@@ -107,7 +107,7 @@ class Ingress:
         self._model = model_name
         self._default_max_tokens = default_max_tokens
         self._retry_after = retry_after_s
-        self._max_model_len: int | None = None
+        self._info: dict | None = None  # model facts from the engine, fetched once
 
     # ------------------------------------------------------------ info routes
 
@@ -124,9 +124,10 @@ class Ingress:
 
     @api.get("/v1/models")
     async def models(self) -> ModelList:
-        if self._max_model_len is None:
-            self._max_model_len = (await self._engine.info.remote())["max_model_len"]
-        card = ModelCard(id=self._model, created=int(time.time()), max_model_len=self._max_model_len)
+        if self._info is None:
+            self._info = await self._engine.info.remote()
+        card = ModelCard(id=self._model, created=int(time.time()), max_model_len=self._info["max_model_len"],
+                         vocab_size=self._info["vocab_size"])
         return ModelList(data=[card])
 
     @api.get("/v1/engine/stats")
@@ -171,17 +172,16 @@ class Ingress:
         streams = await self._open(prompts, params, out.id)
         if isinstance(streams, ApiError):
             return streams.response()
-        headers = {"X-Request-Id": out.id}
         if stream:
             return StreamingResponse(self._sse(streams, out, include_usage), media_type="text/event-stream",
-                                     headers={**headers, "Cache-Control": "no-cache"})
+                                     headers={"Cache-Control": "no-cache"})
         try:
             async for index, item in self._merge(streams):
                 err = item if isinstance(item, ApiError) else item_error(item)
                 if err is not None:
                     return err.response()
                 out.add(index, item)
-            return JSONResponse(out.final(), headers=headers)
+            return JSONResponse(out.final())
         finally:
             for s in streams:
                 s.cancel()

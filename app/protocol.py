@@ -245,7 +245,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "minserve"
-    max_model_len: int | None = None
+    max_model_len: int | None = None  # extension, as in vLLM
+    vocab_size: int | None = None  # extension: lets load generators send valid token-id prompts
 
 
 class ModelList(BaseModel):

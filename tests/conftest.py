@@ -6,6 +6,12 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
+
+# Triton fixes its interpreter flag when first imported (torch._dynamo and transformers import it
+# early), so choose it before anything else: on a machine without CUDA the kernels are interpreted.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

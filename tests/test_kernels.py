@@ -1,8 +1,9 @@
 """Triton kernels against their torch twins (kernels.torch_ops), on fresh random inputs.
 
 Two ways to run the same checks:
-  * CPU (`make test`): TRITON_INTERPRET=1 is set below before triton is first imported by this
-    process' kernel modules, and the launchers run on CPU tensors in fp32 with small shapes;
+  * CPU (`make test`): TRITON_INTERPRET=1 (set below, or earlier by tests/conftest.py) makes the
+    launchers run on CPU tensors in fp32 with small shapes. Triton reads the flag when it is first
+    imported; if something imported it earlier, test_interpreter_subprocess reruns them in a fresh process;
   * GPU (marker `gpu`): compiled kernels on CUDA tensors, bigger shapes, bf16 and fp32.
 Outputs are poisoned with NaN before each call (kernels write into `out=`), and KV-cache slots that
 no sequence owns hold NaN, so a missed store or a stray read shows up as a NaN mismatch.
@@ -41,23 +42,28 @@ pytestmark = [
     # the interpreter's numpy exp overflows to inf inside sigmoid / tanh, which is the intended saturation
     pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning"),
 ]
-# Dependency order: triton_attn_common uses triton_act.tanh; the attention modules use triton_attn_common.
-_MODULES = ("triton_act", "triton_attn_common", "triton_norm", "triton_rope", "triton_kv",
-            "triton_decode_attention", "triton_prefill_attention")  # fmt: skip
+K = {
+    name: importlib.import_module(f"kernels.{name}")
+    for name in ("triton_act", "triton_norm", "triton_rope", "triton_kv", "triton_decode_attention",
+                 "triton_prefill_attention")
+}  # fmt: skip
+CUDA_OK = torch.cuda.is_available() and not INTERPRET
 
 
-def _load_kernels() -> dict:
-    """Import the kernel modules; re-decorate them if something imported them before the flag was set."""
+def _interpreter_usable() -> bool:
+    """Triton fixes the flag for its own library (tl.sum, ...) when triton is first imported; if another
+    module (torch._dynamo, transformers) imported it earlier, the interpreter cannot run in this process."""
     from triton.runtime.interpreter import InterpretedFunction
 
-    mods = {name: importlib.import_module(f"kernels.{name}") for name in _MODULES}
-    if INTERPRET and not isinstance(mods["triton_act"].tanh, InterpretedFunction):
-        mods = {name: importlib.reload(mods[name]) for name in _MODULES}
-    return mods
+    return INTERPRET and isinstance(
+        importlib.import_module("triton.language.standard").sum, InterpretedFunction
+    )
 
 
-K = _load_kernels()
-CUDA_OK = torch.cuda.is_available() and not INTERPRET
+INTERP_OK = _interpreter_usable()
+INTERP_SKIP = (
+    "needs TRITON_INTERPRET=1 set before triton is first imported (else test_interpreter_subprocess)"
+)
 
 
 @dataclass(frozen=True)
@@ -74,7 +80,7 @@ class Env:
 
 ENVS = [
     pytest.param(Env("cpu", torch.float32, 3e-5, 1e-5), id="interp",
-                 marks=pytest.mark.skipif(not INTERPRET, reason="CPU checks need TRITON_INTERPRET=1")),
+                 marks=pytest.mark.skipif(not INTERP_OK, reason=INTERP_SKIP)),
     pytest.param(Env("cuda", torch.bfloat16, 2e-2, 2e-2), id="gpu-bf16",
                  marks=[pytest.mark.gpu, pytest.mark.skipif(not CUDA_OK, reason="needs CUDA")]),
     pytest.param(Env("cuda", torch.float32, 1e-4, 1e-4), id="gpu-fp32",
@@ -393,6 +399,26 @@ def test_decode_attention_replays_in_a_cuda_graph() -> None:
 
 
 # ----------------------------------------------------------------------------------------- Hopper build
+
+
+@pytest.mark.skipif(not INTERPRET or INTERP_OK, reason="the interpreter tests ran in this process")
+def test_interpreter_subprocess() -> None:
+    """triton was imported before TRITON_INTERPRET=1 was set: run the CPU checks in a fresh process."""
+    root = Path(__file__).resolve().parents[1]
+    envvars = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-k",
+        "interp and not subprocess",
+        __file__,
+    ]
+    proc = subprocess.run(cmd, cwd=root, env=envvars, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
 
 
 def test_hopper_compile() -> None:

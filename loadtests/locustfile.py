@@ -1,0 +1,160 @@
+"""Locust load test for minserve's OpenAI endpoints, streaming.
+
+    locust -f loadtests/ --host http://localhost:8000                     # web UI on :8089
+    locust -f loadtests/ --host http://localhost:8000 --headless -u 16 -r 4 -t 60s --workload W2 \\
+           --csv benchmarks/reports/locust_w2                                 # summary + CSV files
+
+Besides the HTTP row (time to response headers), every request records custom Locust request types:
+  TTFT  request sent -> first streamed token (ms)
+  ITL   gap between consecutive streamed chunks that carry text (ms), one event per gap
+  E2E   request sent -> final [DONE] (ms); response_length = completion tokens
+They appear in the web UI, in the --csv files (Type column) and in the headless summary. With the
+server's stream_interval_ms > 0 a chunk may hold several tokens: ITL is then per chunk.
+
+Options (flag or environment variable):
+  --workload       MINSERVE_WORKLOAD       W1, W2, W3 or a weighted mix "W1:1,W2:3" (default W2)
+  --model          MINSERVE_MODEL          default: the first model of GET /v1/models
+  --prompt-format  MINSERVE_PROMPT_FORMAT  ids (exact lengths, default) or text
+  --endpoint       MINSERVE_ENDPOINT       auto (W3 text -> chat, else completions), completions, chat
+  --gen-scale      MINSERVE_GEN_SCALE      multiply generation lengths (e.g. 0.125 on a small CPU box)
+  --prompt-scale   MINSERVE_PROMPT_SCALE   multiply prompt lengths
+  --no-ignore-eos  MINSERVE_NO_IGNORE_EOS  let the model stop early (default: ignore_eos=true, exact lengths)
+
+HttpUser (requests) with stream=True is used on purpose: FastHttpUser buffers the SSE body, which
+would turn every token time into the end-of-stream time.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+
+from _workloads import SHAPES, WORDS, PromptMaker, Request, parse_mix, sample
+from locust import HttpUser, constant, events, task
+
+
+@events.init_command_line_parser.add_listener
+def _add_arguments(parser) -> None:
+    group = parser.add_argument_group("minserve workload")
+    group.add_argument("--workload", default="W2", env_var="MINSERVE_WORKLOAD", help="W1, W2, W3 or W1:1,W2:3")
+    group.add_argument("--model", default="", env_var="MINSERVE_MODEL", help="model name (default: ask the server)")
+    group.add_argument("--prompt-format", default="ids", choices=["ids", "text"], env_var="MINSERVE_PROMPT_FORMAT")
+    group.add_argument("--endpoint", default="auto", choices=["auto", "completions", "chat"],
+                       env_var="MINSERVE_ENDPOINT")
+    group.add_argument("--gen-scale", type=float, default=1.0, env_var="MINSERVE_GEN_SCALE")
+    group.add_argument("--prompt-scale", type=float, default=1.0, env_var="MINSERVE_PROMPT_SCALE")
+    group.add_argument("--no-ignore-eos", action="store_true", env_var="MINSERVE_NO_IGNORE_EOS")
+
+
+_FACTS: dict = {}  # per worker process: model, max_model_len, vocab_size, tokens_per_word
+
+
+def server_facts(user: HttpUser) -> dict:
+    """Model facts from GET /v1/models, plus (text prompts) the tokenizer's tokens-per-word ratio."""
+    if _FACTS:
+        return _FACTS
+    opts = user.environment.parsed_options
+    card = user.client.get("/v1/models", name="setup /v1/models").json()["data"][0]
+    facts = {"model": opts.model or card["id"], "max_model_len": card.get("max_model_len") or 2048,
+             "vocab_size": card.get("vocab_size") or 32000, "tokens_per_word": 1.0}
+    if opts.prompt_format == "text":
+        text = " ".join(random.Random(0).choice(WORDS) for _ in range(200))
+        body = {"model": facts["model"], "prompt": text, "max_tokens": 1}
+        usage = user.client.post("/v1/completions", json=body, name="setup calibrate").json()["usage"]
+        facts["tokens_per_word"] = max(0.5, usage["prompt_tokens"] / 200)
+    _FACTS.update(facts)
+    return _FACTS
+
+
+class OpenAIStreamUser(HttpUser):
+    wait_time = constant(0)  # closed loop: each user sends its next request when the last one ends
+
+    def on_start(self) -> None:
+        opts = self.environment.parsed_options
+        facts = server_facts(self)
+        self.opts, self.facts = opts, facts
+        self.rng = random.Random()
+        self.mix = parse_mix(opts.workload)
+        self.maker = PromptMaker(facts["vocab_size"], facts["tokens_per_word"], opts.prompt_format == "text")
+        if opts.endpoint == "chat" and opts.prompt_format == "ids":
+            raise ValueError("--endpoint chat needs --prompt-format text (chat messages are text)")
+
+    @task
+    def generate(self) -> None:
+        names, weights = zip(*self.mix)
+        shape = SHAPES[self.rng.choices(names, weights)[0]]
+        req = sample(self.rng, shape, self.maker, self.opts.prompt_scale, self.opts.gen_scale,
+                     self.facts["max_model_len"])
+        path, body = self._request_body(req)
+        self._stream(path, body, f"{req.workload} {path}")
+
+    def _request_body(self, req: Request) -> tuple[str, dict]:
+        common = {"model": self.facts["model"], "max_tokens": req.max_tokens, "stream": True,
+                  "stream_options": {"include_usage": True}}
+        if not self.opts.no_ignore_eos:
+            common["ignore_eos"] = True
+        chat = self.opts.endpoint == "chat" or (
+            self.opts.endpoint == "auto" and req.prefix is not None and isinstance(req.prompt, str))
+        if chat:
+            messages = [{"role": "user", "content": req.prompt}]
+            if req.prefix is not None:
+                messages.insert(0, {"role": "system", "content": req.prefix})
+            return "/v1/chat/completions", {**common, "messages": messages}
+        if req.prefix is None:
+            prompt = req.prompt
+        elif isinstance(req.prompt, str):
+            prompt = f"{req.prefix}\n{req.prompt}"
+        else:
+            prompt = req.prefix + req.prompt
+        return "/v1/completions", {**common, "prompt": prompt}
+
+    def _stream(self, path: str, body: dict, name: str) -> None:
+        start = time.perf_counter()
+        times: list[float] = []  # arrival of each chunk that carries text
+        usage = None
+        with self.client.post(path, json=body, stream=True, catch_response=True, name=name) as resp:
+            if resp.status_code != 200:
+                resp.failure(f"HTTP {resp.status_code}: {resp.text[:300]}")
+                return
+            try:
+                done = False
+                for line in resp.iter_lines():
+                    if not line:
+                        continue
+                    if not line.startswith(b"data: "):
+                        raise ValueError(f"not an SSE data line: {line[:80]!r}")
+                    if line == b"data: [DONE]":
+                        done = True
+                        break
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        raise ValueError(f"error event: {chunk['error']}")
+                    usage = chunk.get("usage") or usage
+                    if any(_chunk_text(c) for c in chunk["choices"]):
+                        times.append(time.perf_counter())
+                if not done:
+                    raise ValueError("stream ended without data: [DONE]")
+            except Exception as exc:
+                resp.failure(f"{type(exc).__name__}: {exc}")
+                return
+            resp.success()
+        end = time.perf_counter()
+        self._report(name, start, times, end, (usage or {}).get("completion_tokens", len(times)))
+
+    def _report(self, name: str, start: float, times: list[float], end: float, tokens: int) -> None:
+        fire = self.environment.events.request.fire
+        if times:
+            fire(request_type="TTFT", name=name, response_time=(times[0] - start) * 1000,
+                 response_length=tokens, exception=None, context={})
+        for a, b in zip(times, times[1:]):
+            fire(request_type="ITL", name=name, response_time=(b - a) * 1000, response_length=0,
+                 exception=None, context={})
+        fire(request_type="E2E", name=name, response_time=(end - start) * 1000, response_length=tokens,
+             exception=None, context={})
+
+
+def _chunk_text(choice: dict) -> str:
+    if "text" in choice:
+        return choice["text"] or ""
+    return (choice.get("delta") or {}).get("content") or ""
