@@ -1,0 +1,1 @@
+"""Benchmark harness: engine vs transformers with rooflines (see benchmarks/README.md)."""

@@ -1,0 +1,120 @@
+"""Llama (2, 3, 3.x): the plain decoder-only transformer, which is also the generic model.
+
+Every other family subclasses LlamaForCausalLM and overrides only what differs: the class switches
+(qk_norm, sandwich_norms, norm_weight_offset) or the small hooks (build_rotaries, rotary_for_layer,
+attention_scale, attention_softcap, embed, checkpoint_name). Module names follow HF checkpoints
+(model.layers.N.self_attn...) so the loader maps tensor names one to one, except q/k/v and gate/up,
+which are merged (packed_modules).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.model_config import ModelConfig
+from engine.models.layers import (
+    Attention,
+    DecoderLayer,
+    Embedding,
+    GatedMLP,
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+)
+
+
+class LlamaForCausalLM(nn.Module):
+    qk_norm = False  # RMSNorm on q and k per head before RoPE (Qwen3, Gemma 3)
+    sandwich_norms = False  # extra norms after attention and after the MLP (Gemma 3)
+    norm_weight_offset = 0.0  # 1.0 where checkpoints store w for a (1 + w) scale (Gemma)
+    # HF projection name -> (merged module name, shard index); the loader routes tensors with it.
+    packed_modules: dict[str, tuple[str, int]] = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = nn.Module()
+        self.model.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.build_rotaries()
+        self.model.layers = nn.ModuleList([self.build_layer(i) for i in range(cfg.num_layers)])
+        self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.norm_weight_offset)
+        # Tied checkpoints carry no lm_head tensor: compute_logits reuses the embedding matrix.
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
+
+    # ---- hooks a family may override -------------------------------------------------------------
+    def build_rotaries(self) -> None:
+        cfg = self.cfg
+        self.model.rotary_emb = RotaryEmbedding(
+            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
+        )
+
+    def rotary_for_layer(self, layer_idx: int) -> RotaryEmbedding:
+        return self.model.rotary_emb
+
+    def attention_scale(self) -> float:
+        return self.cfg.head_dim**-0.5
+
+    def attention_softcap(self) -> float | None:
+        return self.cfg.attn_logit_softcapping
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    @classmethod
+    def checkpoint_name(cls, cfg: ModelConfig, name: str) -> str | None:
+        """A checkpoint tensor name in this module's naming, or None for a known-harmless extra."""
+        if name.endswith("rotary_emb.inv_freq"):  # RoPE tables are recomputed, never loaded
+            return None
+        if cfg.tie_word_embeddings and name == "lm_head.weight":  # a saved copy of the tied matrix
+            return None
+        return name
+
+    # ---- model -----------------------------------------------------------------------------------
+    def build_layer(self, i: int) -> DecoderLayer:
+        cfg = self.cfg
+        attn = Attention(
+            cfg.hidden_size,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            self.rotary_for_layer(i),
+            self.attention_scale(),
+            sliding_window=cfg.sliding_windows[i],
+            softcap=self.attention_softcap(),
+            qk_norm_eps=cfg.rms_norm_eps if self.qk_norm else None,
+            norm_offset=self.norm_weight_offset,
+            bias=cfg.attention_bias,
+        )
+        mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_activation, cfg.mlp_bias)
+        return DecoderLayer(
+            attn, mlp, cfg.hidden_size, cfg.rms_norm_eps, self.norm_weight_offset, self.sandwich_norms
+        )
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [T] for the packed batch set in the attention context -> hidden [T, H]
+        (final norm applied)."""
+        hidden = self.embed(input_ids)
+        residual = None
+        for layer in self.model.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        if residual is None:  # zero layers
+            return self.model.norm(hidden)
+        hidden, _ = self.model.norm.add_forward(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, H] -> logits [N, V] in the model dtype (with the final softcap if configured)."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        logits = F.linear(hidden, weight)
+        cap = self.cfg.final_logit_softcapping
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
