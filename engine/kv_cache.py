@@ -42,8 +42,9 @@ def plan_kv_cache(
     if cache.num_blocks is not None:
         num_blocks = cache.num_blocks
     elif device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory
-        free_for_kv = total * cache.gpu_memory_utilization - torch.cuda.memory_allocated(device)
+        free, total = torch.cuda.mem_get_info(device)
+        # our share of the card, less what we hold already, and never more than is actually free
+        free_for_kv = min(total * cache.gpu_memory_utilization - torch.cuda.memory_allocated(device), free)
         num_blocks = int((free_for_kv - activation_bytes) // spec.bytes_per_block)
     else:
         num_blocks = cache.cpu_kv_cache_bytes // spec.bytes_per_block
