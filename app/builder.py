@@ -40,7 +40,9 @@ class AppArgs(BaseModel):
     stats_interval_s: float = Field(1.0, gt=0, description="engine stats -> metrics gauges period")
     ingress_num_replicas: int = Field(1, ge=1)
     ingress_num_cpus: float = 0.5
-    ingress_max_ongoing_requests: int = Field(4096, ge=1, description="Serve's default of 5 would cap streams")
+    ingress_max_ongoing_requests: int = Field(
+        4096, ge=1, description="Serve's default of 5 would cap streams"
+    )
 
 
 def _cuda_available() -> bool:
@@ -67,15 +69,22 @@ def build_app(args: AppArgs) -> Application:
         raise ValueError(f"args.engine: {exc}") from exc
     num_gpus = args.num_gpus if args.num_gpus is not None else (1 if _cuda_available() else 0)
     scaling: dict[str, Any] = (
-        {"autoscaling_config": args.autoscaling_config} if args.autoscaling_config
+        {"autoscaling_config": args.autoscaling_config}
+        if args.autoscaling_config
         else {"num_replicas": args.num_replicas}
     )
     engine = EngineDeployment.options(
         ray_actor_options={"num_gpus": num_gpus, "num_cpus": args.engine_num_cpus},
         max_ongoing_requests=args.max_ongoing_requests + _CONTROL_HEADROOM,
         **scaling,
-    ).bind(model, args.engine, args.max_ongoing_requests, args.stream_interval_ms, args.retry_after_s,
-           args.stats_interval_s)
+    ).bind(
+        model,
+        args.engine,
+        args.max_ongoing_requests,
+        args.stream_interval_ms,
+        args.retry_after_s,
+        args.stats_interval_s,
+    )
     name = args.served_model_name or os.path.basename(model.rstrip("/"))
     return Ingress.options(
         num_replicas=args.ingress_num_replicas,

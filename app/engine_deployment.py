@@ -44,28 +44,52 @@ def to_wire(outs: list[RequestOutput], token_text: Callable[[int], str]) -> dict
     samples: dict[int, dict] = {}
     for out in outs:
         for d in out.outputs:
-            s = samples.setdefault(d.index, {"index": d.index, "text": "", "token_ids": [], "logprobs": None,
-                                             "finish_reason": None, "error": None})
+            s = samples.setdefault(
+                d.index,
+                {
+                    "index": d.index,
+                    "text": "",
+                    "token_ids": [],
+                    "logprobs": None,
+                    "finish_reason": None,
+                    "error": None,
+                },
+            )
             s["text"] += d.text
             s["token_ids"].extend(d.token_ids)
             if d.logprobs:
                 s["logprobs"] = (s["logprobs"] or []) + [
-                    {"token": token_text(lp.token_id), "logprob": lp.logprob,
-                     "top": [(token_text(t), v) for t, v in lp.top]}
+                    {
+                        "token": token_text(lp.token_id),
+                        "logprob": lp.logprob,
+                        "top": [(token_text(t), v) for t, v in lp.top],
+                    }
                     for lp in d.logprobs
                 ]
             if d.finish_reason is not None:
                 s["finish_reason"], s["error"] = d.finish_reason, d.error
     last = outs[-1]
-    return {"kind": "output", "outputs": [samples[i] for i in sorted(samples)], "finished": last.finished,
-            "prompt_tokens": last.prompt_tokens, "completion_tokens": last.completion_tokens,
-            "cached_tokens": last.cached_tokens}
+    return {
+        "kind": "output",
+        "outputs": [samples[i] for i in sorted(samples)],
+        "finished": last.finished,
+        "prompt_tokens": last.prompt_tokens,
+        "completion_tokens": last.completion_tokens,
+        "cached_tokens": last.cached_tokens,
+    }
 
 
 @serve.deployment(name="EngineDeployment", health_check_period_s=5, health_check_timeout_s=30)
 class EngineDeployment:
-    def __init__(self, model: str, engine_options: dict, max_ongoing_requests: int = 256,
-                 stream_interval_ms: float = 0.0, retry_after_s: int = 1, stats_interval_s: float = 1.0):
+    def __init__(
+        self,
+        model: str,
+        engine_options: dict,
+        max_ongoing_requests: int = 256,
+        stream_interval_ms: float = 0.0,
+        retry_after_s: int = 1,
+        stats_interval_s: float = 1.0,
+    ):
         from engine.async_engine import AsyncEngine  # torch is imported only inside the replica
 
         self.engine = AsyncEngine(EngineConfig.from_kwargs(model, **engine_options))
@@ -75,15 +99,20 @@ class EngineDeployment:
         self._ongoing = 0  # streams between accept and finish; only touched on the event loop
         self._metrics = ServerMetrics(self.engine.model_name)
         self._stop = threading.Event()
-        self._poller = threading.Thread(target=self._poll_stats, args=(stats_interval_s,), daemon=True,
-                                        name="minserve-stats")
+        self._poller = threading.Thread(
+            target=self._poll_stats, args=(stats_interval_s,), daemon=True, name="minserve-stats"
+        )
         self._poller.start()
 
-    async def generate(self, prompt: str | list[int] | list[dict], params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[dict | ApiError]:
+    async def generate(
+        self, prompt: str | list[int] | list[dict], params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[dict | ApiError]:
         if self._ongoing >= self._limit:
-            yield overloaded(f"server busy: {self._ongoing} requests in flight on this replica "
-                             f"(max_ongoing_requests={self._limit}); retry later", self._retry_after)
+            yield overloaded(
+                f"server busy: {self._ongoing} requests in flight on this replica "
+                f"(max_ongoing_requests={self._limit}); retry later",
+                self._retry_after,
+            )
             return
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[tuple[float, RequestOutput]] = asyncio.Queue()
@@ -158,8 +187,11 @@ class EngineDeployment:
         return self.engine.audit()
 
     def info(self) -> dict:
-        return {"model": self.engine.model_name, "max_model_len": self.engine.max_model_len,
-                "vocab_size": self.engine.tokenizer.vocab_size}
+        return {
+            "model": self.engine.model_name,
+            "max_model_len": self.engine.max_model_len,
+            "vocab_size": self.engine.tokenizer.vocab_size,
+        }
 
     def is_alive(self) -> bool:
         return self.engine.is_alive()

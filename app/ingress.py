@@ -47,7 +47,9 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
     first = errors[0] if errors else {"type": "invalid", "loc": (), "msg": "invalid request"}
     if first["type"] == "json_invalid":
         detail = first.get("ctx", {}).get("error", "")
-        return ApiError(400, f"malformed JSON body: {detail}; send a JSON object", code="invalid_json").response()
+        return ApiError(
+            400, f"malformed JSON body: {detail}; send a JSON object", code="invalid_json"
+        ).response()
     path = [str(p) for p in first["loc"] if p != "body"]
     field = path[0] if path else None  # the top-level request field; the message carries the full path
     where = ".".join(path) or "body"
@@ -79,8 +81,13 @@ def _handle_failure(exc: BaseException, retry_after: int) -> ApiError:
     if isinstance(exc, BackPressureError):
         return overloaded(f"server busy: {exc}", retry_after)
     if isinstance(exc, (DeploymentUnavailableError, RayActorError)):
-        return ApiError(503, f"engine unavailable: {type(exc).__name__}", "server_error", code="engine_unavailable",
-                        retry_after=retry_after)
+        return ApiError(
+            503,
+            f"engine unavailable: {type(exc).__name__}",
+            "server_error",
+            code="engine_unavailable",
+            retry_after=retry_after,
+        )
     logger.error("engine call failed: %r", exc)
     return internal(f"engine call failed: {type(exc).__name__}: {exc}")
 
@@ -100,8 +107,9 @@ class _Stream:
 @serve.deployment(name="Ingress")
 @serve.ingress(api)
 class Ingress:
-    def __init__(self, engine: DeploymentHandle, model_name: str, default_max_tokens: int = 256,
-                 retry_after_s: int = 1):
+    def __init__(
+        self, engine: DeploymentHandle, model_name: str, default_max_tokens: int = 256, retry_after_s: int = 1
+    ):
         self._engine = engine
         self._stream = engine.options(stream=True)  # built once: options() per request is not free
         self._model = model_name
@@ -118,16 +126,21 @@ class Ingress:
         except Exception as exc:
             return _handle_failure(exc, self._retry_after).response()
         if not alive:
-            return ApiError(503, "engine loop is dead", "server_error", code="engine_dead",
-                            retry_after=self._retry_after).response()
+            return ApiError(
+                503, "engine loop is dead", "server_error", code="engine_dead", retry_after=self._retry_after
+            ).response()
         return JSONResponse({"status": "ok"})
 
     @api.get("/v1/models")
     async def models(self) -> ModelList:
         if self._info is None:
             self._info = await self._engine.info.remote()
-        card = ModelCard(id=self._model, created=int(time.time()), max_model_len=self._info["max_model_len"],
-                         vocab_size=self._info["vocab_size"])
+        card = ModelCard(
+            id=self._model,
+            created=int(time.time()),
+            max_model_len=self._info["max_model_len"],
+            vocab_size=self._info["vocab_size"],
+        )
         return ModelList(data=[card])
 
     @api.get("/v1/engine/stats")
@@ -164,17 +177,26 @@ class Ingress:
         return await self._respond([body.engine_messages()], params, out, body.stream, body.include_usage)
 
     def _unknown_model(self, name: str) -> JSONResponse:
-        return ApiError(404, f"model '{name}' does not exist; this server serves '{self._model}' "
-                        "(GET /v1/models)", "not_found_error", "model", "model_not_found").response()
+        return ApiError(
+            404,
+            f"model '{name}' does not exist; this server serves '{self._model}' (GET /v1/models)",
+            "not_found_error",
+            "model",
+            "model_not_found",
+        ).response()
 
-    async def _respond(self, prompts: list, params, out: ResponseAssembler, stream: bool,
-                       include_usage: bool) -> Response:
+    async def _respond(
+        self, prompts: list, params, out: ResponseAssembler, stream: bool, include_usage: bool
+    ) -> Response:
         streams = await self._open(prompts, params, out.id)
         if isinstance(streams, ApiError):
             return streams.response()
         if stream:
-            return StreamingResponse(self._sse(streams, out, include_usage), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+            return StreamingResponse(
+                self._sse(streams, out, include_usage),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
         try:
             async for index, item in self._merge(streams):
                 err = item if isinstance(item, ApiError) else item_error(item)
@@ -188,8 +210,10 @@ class Ingress:
 
     async def _open(self, prompts: list, params, request_id: str) -> list[_Stream] | ApiError:
         """Start one engine request per prompt and wait until each is accepted (or refused)."""
-        streams = [_Stream(i, self._stream.generate.remote(p, params, f"{request_id}-{i}"))
-                   for i, p in enumerate(prompts)]
+        streams = [
+            _Stream(i, self._stream.generate.remote(p, params, f"{request_id}-{i}"))
+            for i, p in enumerate(prompts)
+        ]
         try:
             firsts = await asyncio.gather(*(self._first(s) for s in streams))
         except BaseException:  # cancelled (client gone) while waiting: release the engine requests
@@ -257,8 +281,9 @@ class Ingress:
             s.done = isinstance(item, ApiError) or item["finished"]
             yield s.index, item
 
-    async def _sse(self, streams: list[_Stream], out: ResponseAssembler, include_usage: bool
-                   ) -> AsyncIterator[str]:
+    async def _sse(
+        self, streams: list[_Stream], out: ResponseAssembler, include_usage: bool
+    ) -> AsyncIterator[str]:
         try:
             if out.chat:
                 yield out.role_chunk()

@@ -35,7 +35,10 @@ _GAUGES = {
     "num_waiting": ("minserve_num_waiting", "Requests queued in the scheduler."),
     "kv_blocks_used": ("minserve_kv_blocks_used", "KV cache blocks in use."),
     "kv_blocks_total": ("minserve_kv_blocks_total", "KV cache blocks in the pool."),
-    "prefix_cache_hit_rate": ("minserve_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache."),
+    "prefix_cache_hit_rate": (
+        "minserve_prefix_cache_hit_rate",
+        "Prompt tokens served from the prefix cache.",
+    ),
 }
 
 
@@ -46,16 +49,24 @@ class ServerMetrics:
             h.set_default_tags({"model": model_name})  # a fresh dict: Serve adds its own tags in place
             return h
 
-        self.ttft = histogram("minserve_time_to_first_token_seconds", "Arrival to first token.", _LATENCY_BUCKETS)
-        self.itl = histogram("minserve_inter_token_latency_seconds", "Time between engine steps.", _ITL_BUCKETS)
+        self.ttft = histogram(
+            "minserve_time_to_first_token_seconds", "Arrival to first token.", _LATENCY_BUCKETS
+        )
+        self.itl = histogram(
+            "minserve_inter_token_latency_seconds", "Time between engine steps.", _ITL_BUCKETS
+        )
         self.e2e = histogram("minserve_e2e_request_latency_seconds", "Arrival to finish.", _E2E_BUCKETS)
         self.queue = histogram("minserve_queue_time_seconds", "Arrival to first scheduled.", _LATENCY_BUCKETS)
-        self._counters = {key: Counter(name, description=text, tag_keys=("model",)) for key, (name, text)
-                          in _COUNTERS.items()}
-        self._gauges = {key: Gauge(name, description=text, tag_keys=("model",)) for key, (name, text)
-                        in _GAUGES.items()}
-        self.ongoing = Gauge("minserve_ongoing_requests", description="Streams open in this replica.",
-                             tag_keys=("model",))
+        self._counters = {
+            key: Counter(name, description=text, tag_keys=("model",))
+            for key, (name, text) in _COUNTERS.items()
+        }
+        self._gauges = {
+            key: Gauge(name, description=text, tag_keys=("model",)) for key, (name, text) in _GAUGES.items()
+        }
+        self.ongoing = Gauge(
+            "minserve_ongoing_requests", description="Streams open in this replica.", tag_keys=("model",)
+        )
         for metric in [*self._counters.values(), *self._gauges.values(), self.ongoing]:
             metric.set_default_tags({"model": model_name})
         self._last_totals: dict[str, float] = {}

@@ -141,7 +141,9 @@ class ChatCompletionRequest(_SamplingRequest):
             return self._sampling_params(default_max_tokens if limit is None else limit, k)
         except InvalidRequestError as exc:
             if exc.field == "logprobs":  # chat names the count top_logprobs
-                raise InvalidRequestError(str(exc).replace("logprobs", "top_logprobs", 1), "top_logprobs") from exc
+                raise InvalidRequestError(
+                    str(exc).replace("logprobs", "top_logprobs", 1), "top_logprobs"
+                ) from exc
             raise
 
 

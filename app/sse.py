@@ -44,8 +44,12 @@ def item_error(item: dict) -> ApiError | None:
     """A sample that ended in error or was aborted by the server fails the whole response."""
     for s in item["outputs"]:
         if s["finish_reason"] == "error":
-            return ApiError(500, f"generation failed: {s['error'] or 'engine error'}", "server_error",
-                            code="generation_error")
+            return ApiError(
+                500,
+                f"generation failed: {s['error'] or 'engine error'}",
+                "server_error",
+                code="generation_error",
+            )
         if s["finish_reason"] == "abort":
             return ApiError(503, "request aborted by the server", "server_error", code="aborted")
     return None
@@ -55,11 +59,17 @@ def _chat_logprobs(entries: list[dict]) -> ChatLogprobs:
     def top(token: str, logprob: float) -> ChatTopLogprob:
         return ChatTopLogprob(token=token, logprob=logprob, bytes=list(token.encode("utf-8")))
 
-    return ChatLogprobs(content=[
-        ChatTokenLogprob(token=e["token"], logprob=e["logprob"], bytes=list(e["token"].encode("utf-8")),
-                         top_logprobs=[top(t, v) for t, v in e["top"]])
-        for e in entries
-    ])
+    return ChatLogprobs(
+        content=[
+            ChatTokenLogprob(
+                token=e["token"],
+                logprob=e["logprob"],
+                bytes=list(e["token"].encode("utf-8")),
+                top_logprobs=[top(t, v) for t, v in e["top"]],
+            )
+            for e in entries
+        ]
+    )
 
 
 class ResponseAssembler:
@@ -82,8 +92,12 @@ class ResponseAssembler:
         p = sum(u[0] for u in self._usage.values())
         c = sum(u[1] for u in self._usage.values())
         cached = sum(u[2] for u in self._usage.values())
-        return UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c,
-                         prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+        return UsageInfo(
+            prompt_tokens=p,
+            completion_tokens=c,
+            total_tokens=p + c,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+        )
 
     def _completion_logprobs(self, index: int, entries: list[dict]) -> CompletionLogprobs:
         lp = CompletionLogprobs()
@@ -99,8 +113,10 @@ class ResponseAssembler:
 
     def role_chunk(self) -> str:
         """Chat streams open with the assistant role for every choice, as OpenAI's do."""
-        choices = [ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))
-                   for i in range(len(self._finish))]
+        choices = [
+            ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))
+            for i in range(len(self._finish))
+        ]
         return self._chat_chunk(choices)
 
     def chunk(self, prompt_index: int, item: dict) -> str | None:
@@ -110,18 +126,24 @@ class ResponseAssembler:
         if not samples:
             return None
         if self.chat:
-            return self._chat_chunk([
-                ChatChunkChoice(index=prompt_index * self.n + s["index"], delta=ChatDelta(content=s["text"]),
-                                logprobs=_chat_logprobs(s["logprobs"]) if s["logprobs"] else None,
-                                finish_reason=s["finish_reason"])
-                for s in samples
-            ])
+            return self._chat_chunk(
+                [
+                    ChatChunkChoice(
+                        index=prompt_index * self.n + s["index"],
+                        delta=ChatDelta(content=s["text"]),
+                        logprobs=_chat_logprobs(s["logprobs"]) if s["logprobs"] else None,
+                        finish_reason=s["finish_reason"],
+                    )
+                    for s in samples
+                ]
+            )
         choices = []
         for s in samples:
             index = prompt_index * self.n + s["index"]
             lp = self._completion_logprobs(index, s["logprobs"]) if s["logprobs"] else None
-            choices.append(CompletionChoice(index=index, text=s["text"], logprobs=lp,
-                                            finish_reason=s["finish_reason"]))
+            choices.append(
+                CompletionChoice(index=index, text=s["text"], logprobs=lp, finish_reason=s["finish_reason"])
+            )
         body = CompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices)
         return sse(body.model_dump(exclude={"usage"}))
 
@@ -153,16 +175,29 @@ class ResponseAssembler:
     def final(self) -> dict:
         want_lp = any(self._logprobs)
         if self.chat:
-            choices = [ChatChoice(index=i, message=ChatResponseMessage(content="".join(self._text[i])),
-                                  logprobs=_chat_logprobs(self._logprobs[i]) if want_lp else None,
-                                  finish_reason=self._finish[i]) for i in range(len(self._text))]
-            body = ChatCompletionResponse(id=self.id, created=self.created, model=self.model,
-                                          choices=choices, usage=self.usage())
+            choices = [
+                ChatChoice(
+                    index=i,
+                    message=ChatResponseMessage(content="".join(self._text[i])),
+                    logprobs=_chat_logprobs(self._logprobs[i]) if want_lp else None,
+                    finish_reason=self._finish[i],
+                )
+                for i in range(len(self._text))
+            ]
+            body = ChatCompletionResponse(
+                id=self.id, created=self.created, model=self.model, choices=choices, usage=self.usage()
+            )
         else:
-            choices = [CompletionChoice(index=i, text="".join(self._text[i]),
-                                        logprobs=self._completion_logprobs(i, self._logprobs[i]) if want_lp
-                                        else None, finish_reason=self._finish[i])
-                       for i in range(len(self._text))]
-            body = CompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
-                                      usage=self.usage())
+            choices = [
+                CompletionChoice(
+                    index=i,
+                    text="".join(self._text[i]),
+                    logprobs=self._completion_logprobs(i, self._logprobs[i]) if want_lp else None,
+                    finish_reason=self._finish[i],
+                )
+                for i in range(len(self._text))
+            ]
+            body = CompletionResponse(
+                id=self.id, created=self.created, model=self.model, choices=choices, usage=self.usage()
+            )
         return body.model_dump()

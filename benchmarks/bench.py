@@ -3,10 +3,10 @@
     python -m benchmarks.bench --suite all --out benchmarks/reports          # GPU host (see run_gpu.sh)
     python -m benchmarks.bench --smoke --suite all --out /tmp/bench-smoke    # CPU check, tiny models
 
-Suites (comma-separated, or `all`): env (hardware, versions, measured copy bandwidth and matmul rate),
-a (batch-1 decode, Llama-3.1-8B and Llama-3.2-1B shapes), b (batch-64 decode at 1k context, 8B),
+Suites (comma-separated, or `all`): a (batch-1 decode, Llama-3.1-8B and Llama-3.2-1B shapes), b (batch-64 decode at 1k context, 8B),
 c (nano-vllm offline workload, Qwen3-0.6B), hf-a / hf-c (transformers on a / c), eager (a with
-CUDA graphs off). Random-weight checkpoints are written once into --ckpt-dir and reused.
+CUDA graphs off). The env job (hardware, versions, measured copy bandwidth and matmul rate, from
+which the rooflines are computed) always runs first. Random-weight checkpoints are written once into --ckpt-dir and reused.
 
 Every job runs in its own Python process (so GPU memory is whole again for the next, and a crash or
 a hang costs one figure, not the run) under a deadline: the job's cap, cut to what is left of
@@ -30,7 +30,7 @@ from pathlib import Path
 from benchmarks.common import Sizes, ckpt_path, environment, git_commit, model_name, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
-SUITES = ("env", "a", "b", "c", "hf-a", "hf-c", "eager")
+SUITES = ("a", "b", "c", "hf-a", "hf-c", "eager")
 L8, L1, Q = "llama-3.1-8b", "llama-3.2-1b", "qwen3-0.6b"
 
 
@@ -57,7 +57,7 @@ def plan(suites: set[str], smoke: bool) -> list[Job]:
         Job(f"engine-eager-{L8}", "engine", L8, ["a"] if "eager" in suites else [], eager=True, cap_s=200),
         Job(f"engine-eager-{L1}", "engine", L1, ["a"] if "eager" in suites else [], eager=True, cap_s=120),
     ]
-    jobs = [j for j in wanted if j.figures or (j.kind == "env" and "env" in suites)]
+    jobs = [j for j in wanted if j.figures or j.kind == "env"]  # env always: its ceilings make the rooflines
     out, made = [], set()
     for job in jobs:
         if job.model and model_name(job.model, smoke) not in made:

@@ -127,7 +127,7 @@ def offline_figure(llm, cost: ModelCost, device: dict, s: Sizes) -> dict:
     roof = offline_roofline(cost, [len(p) for p in prompts], max_tokens, device)
     sub_roof = offline_roofline(cost, [len(p) for p in prompts[:k]], max_tokens[:k], device)
     full.update(temperature=s.c_temperature, roofline=roof, pct_of_roofline=100 * full["tok_s"] / roof["tok_s"])
-    subset.update(roofline=sub_roof, pct_of_roofline=100 * subset["tok_s"] / sub_roof["tok_s"])
+    subset.update(temperature=s.c_temperature, roofline=sub_roof, pct_of_roofline=100 * subset["tok_s"] / sub_roof["tok_s"])
     return {"full": full, "subset": subset}
 
 

@@ -3,6 +3,7 @@
     python -m benchmarks.report --out benchmarks/reports            # rebuild from <out>/parts/
     python -m benchmarks.report --out benchmarks/reports --replot   # markdown + PNG from benchmark.json only
     python -m benchmarks.report --out DIR --serve DIR/serve         # add a serving run (serve_w2.sh)
+    python -m benchmarks.report --out DIR --merge RUN1 RUN2         # one report from split GPU runs
 
 The PNG needs matplotlib; without it the PNG is skipped with a note (re-plot elsewhere with --replot).
 """
@@ -26,7 +27,7 @@ def _row(fig, system, model, metric, value, roof=NAN, pct=NAN, note=""):
 
 def _decode_note(d: dict) -> str:
     return (f"step p50 {d['step_ms_p50']:.2f} ms, p90 {d['step_ms_p90']:.2f} ms; weights read "
-            f"{d['weight_GBps']:.0f} GB/s ({d['roofline']['bound']}-bound roofline)")
+            f"{d['weight_GBps']:.4g} GB/s ({d['roofline']['bound']}-bound roofline)")
 
 
 def rows_for(part: dict) -> list[dict]:
@@ -49,6 +50,7 @@ def rows_for(part: dict) -> list[dict]:
         if key in c:
             d = c[key]
             note = f"{d['output_tokens']:,} output tokens in {d['wall_s']:.1f} s, T={d.get('temperature', '')}"
+            note += f"; WARNING: {d['warning']}" if d.get("warning") else ""
             rows.append(_row(fig, system, model, f"output tok/s, {d['requests']} requests", d["tok_s"],
                              d["roofline"]["tok_s"], d["pct_of_roofline"], note))
     return rows
@@ -88,19 +90,21 @@ def _header(data: dict) -> list[str]:
     meta, env = data["meta"], data["environment"]
     hw, ver, dev = env.get("hardware", {}), env.get("versions", {}), env.get("device", {})
     gpu = f"{hw.get('gpu')} ({hw.get('sm_count')} SMs, {hw.get('gpu_memory_GiB')} GiB)" if hw.get("gpu") else "CPU"
-    return [
-        "# minserve benchmarks" + (" (SMOKE: tiny models on CPU, not real figures)" if meta.get("smoke") else ""),
-        "",
-        f"- Command: `{meta.get('command', '?')}` (git {meta.get('git')}, {meta.get('started')}, "
-        f"{_fmt(meta.get('wall_s'), 0)} s)",
-        f"- Hardware: {gpu}; host {env.get('hostname')}, {hw.get('cpu_count')} CPUs; {hw.get('nvidia_smi') or ''}",
-        "- Versions: " + ", ".join(f"{k} {v}" for k, v in ver.items()),
-        f"- Measured ceilings: copy {_fmt(dev.get('copy_bw_GBps'), 0)} GB/s (read + write of a "
-        f"{_fmt((dev.get('copy_bytes') or 0) / 2**20, 0)} MiB device copy), matmul "
-        f"{_fmt(dev.get('matmul_TFLOPs'), 1)} TFLOP/s ({dev.get('matmul_dtype')} n={dev.get('matmul_n')})",
-        f"- Sizes: `{json.dumps(meta.get('sizes', {}))}`",
-        "",
-    ]
+    lines = ["# minserve benchmarks" + (" (SMOKE: tiny models on CPU, not real figures)" if meta.get("smoke") else ""),
+             ""]  # fmt: skip
+    if meta:
+        lines.append(f"- Command: `{meta.get('command', '?')}` (git {meta.get('git')}, {meta.get('started')}, "
+                     f"{_fmt(meta.get('wall_s'), 0)} s)")
+        lines.append(f"- Sizes: `{json.dumps(meta.get('sizes', {}))}`")
+    if env:
+        lines += [
+            f"- Hardware: {gpu}; host {env.get('hostname')}, {hw.get('cpu_count')} CPUs; {hw.get('nvidia_smi') or ''}",
+            "- Versions: " + ", ".join(f"{k} {v}" for k, v in ver.items()),
+            f"- Measured ceilings: copy {_fmt(dev.get('copy_bw_GBps'), 0)} GB/s (read + write of a "
+            f"{_fmt((dev.get('copy_bytes') or 0) / 2**20, 0)} MiB device copy), matmul "
+            f"{_fmt(dev.get('matmul_TFLOPs'), 1)} TFLOP/s ({dev.get('matmul_dtype')} n={dev.get('matmul_n')})",
+        ]
+    return lines + [""]
 
 
 NOTES = """Method. (a)/(b): greedy, ignore_eos, random prompts; decode timed per engine step after every
@@ -147,7 +151,10 @@ def plot(data: dict, out: Path) -> str:
     fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels), 3.8), squeeze=False)
     for ax, (f, model) in zip(axes[0], panels):
         sel = [r for r in rows if (r["figure"], r["model"]) == (f, model)]
-        ax.bar([r["system"] for r in sel], [r["value"] for r in sel], color="tab:blue")
+        bars = ax.bar([r["system"] for r in sel], [r["value"] for r in sel], color="tab:blue")
+        labels = [f"{r['value']:,.0f}" + ("" if math.isnan(r["pct_of_roofline"]) else f"\n{r['pct_of_roofline']:.0f}%")
+                  for r in sel]  # fmt: skip
+        ax.bar_label(bars, labels=labels, fontsize=7)
         roof = max((r["roofline"] for r in sel if not math.isnan(r["roofline"])), default=NAN)
         if not math.isnan(roof):
             ax.axhline(roof, color="tab:red", linestyle="--", label=f"roofline {roof:,.0f}")
@@ -182,6 +189,36 @@ def write(data: dict, out: Path) -> None:
     print(plot(data, out))
 
 
+def merge(runs: list[Path], out: Path) -> None:
+    """Copy the parts of several runs into <out>/parts (a later run's job replaces an earlier one's
+    unless the later one did not succeed), with a meta listing every run; then build the report."""
+    parts: dict[str, dict] = {}
+    metas, serving = [], None
+    for run in map(Path, runs):
+        src = run / "parts"
+        if (src / "_meta.json").exists():
+            metas.append(json.loads((src / "_meta.json").read_text()))
+        for f in sorted(src.glob("*.json")):
+            part = json.loads(f.read_text())
+            if f.stem != "_meta" and (f.stem not in parts or part.get("status") == "ok"):
+                parts[f.stem] = part
+        old = run / "benchmark.json"
+        serving = (json.loads(old.read_text()).get("serving") if old.exists() else None) or serving
+    if not metas:
+        raise SystemExit(f"--merge: no parts/_meta.json under {', '.join(map(str, runs))}")
+    meta = {**metas[-1], "command": " ; ".join(m.get("command", "?") for m in metas), "runs": metas,
+            "plan": list(dict.fromkeys(n for m in metas for n in m.get("plan", []))),
+            "wall_s": sum(m.get("wall_s") or 0 for m in metas)}  # fmt: skip
+    (out / "parts").mkdir(parents=True, exist_ok=True)
+    for stale in (out / "parts").glob("*.json"):
+        stale.unlink()  # everything was read above, so --out may be one of the runs
+    for name, part in {"_meta": meta, **parts}.items():
+        (out / "parts" / f"{name}.json").write_text(json.dumps(part, indent=2, default=str) + "\n")
+    if serving:
+        (out / "benchmark.json").write_text(json.dumps({"serving": serving}) + "\n")
+    build(out)
+
+
 def build(out: Path) -> dict:
     """Rebuild everything from <out>/parts and print the short table (the last thing a run prints)."""
     out = Path(out)
@@ -196,8 +233,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default="benchmarks/reports")
     p.add_argument("--replot", action="store_true", help="markdown + PNG from benchmark.json only")
     p.add_argument("--serve", help="directory of a serve_w2.sh run to add to the report")
+    p.add_argument("--merge", nargs="+", metavar="RUN", help="output directories of runs to combine into --out")
     args = p.parse_args(argv)
     out = Path(args.out)
+    if args.merge:
+        merge(args.merge, out)
+        return
     if args.replot or args.serve:
         data = json.loads((out / "benchmark.json").read_text()) if (out / "benchmark.json").exists() else None
         if data is None:

@@ -1,7 +1,7 @@
 """The inference engine: models, paged KV cache, scheduler, runner, sampler. No network, no Ray.
 
-    from engine import LLM, SamplingParams
-    LLM("models/tiny-llama").generate(["Hello"], SamplingParams(max_tokens=8))
+from engine import LLM, SamplingParams
+LLM("models/tiny-llama").generate(["Hello"], SamplingParams(max_tokens=8))
 """
 
 from engine.sampling_params import BudgetForcing, SamplingParams, ToolConfig

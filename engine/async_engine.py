@@ -41,16 +41,19 @@ class AsyncEngine:
         self._thread.start()
 
     # ------------------------------------------------------------------ called from any thread
-    def submit(self, prompt: Prompt, params: SamplingParams, on_output: OnOutput,
-               request_id: str | None = None) -> str:
+    def submit(
+        self, prompt: Prompt, params: SamplingParams, on_output: OnOutput, request_id: str | None = None
+    ) -> str:
         """Validate and queue a request; raises EngineError subclasses synchronously."""
         if not self.is_alive():
             raise EngineDeadError("the engine loop is not running")
         ids = self.engine.tokenize(prompt)  # tokenizers are thread-safe; validation happens here
         self.engine._admission_check(ids, params)
         with self._lock:
-            if len(self._sinks) >= self.engine.config.scheduler.max_waiting + \
-                    self.engine.config.scheduler.max_num_seqs:
+            if (
+                len(self._sinks)
+                >= self.engine.config.scheduler.max_waiting + self.engine.config.scheduler.max_num_seqs
+            ):
                 raise QueueFullError("the engine is at capacity: retry later")
             request_id = request_id or f"req-{uuid.uuid4().hex}"
             if request_id in self._sinks:
@@ -137,5 +140,6 @@ class AsyncEngine:
 
 
 def _error_output(request_id: str, message: str) -> RequestOutput:
-    return RequestOutput(request_id, [CompletionDelta(0, [], "", finish_reason="error", error=message)],
-                         True, 0, 0)
+    return RequestOutput(
+        request_id, [CompletionDelta(0, [], "", finish_reason="error", error=message)], True, 0, 0
+    )

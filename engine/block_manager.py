@@ -133,6 +133,9 @@ class BlockManager:
 
     def can_append(self, table: BlockTable, start: int, num_new: int) -> bool:
         """Would prepare_append(table, start, num_new) succeed right now?"""
+        if num_new == 1 and start // self.block_size < len(table.blocks):
+            # the decode fast path: one token into an existing block, which must not be shared
+            return self.ref_count[table.blocks[start // self.block_size]] == 1 or self.num_free > 0
         need = self.blocks_needed(table, start + num_new)
         need += len(self._shared_in_range(table, start, start + num_new))
         return need <= self.num_free
@@ -147,6 +150,9 @@ class BlockManager:
 
         Returns (src, dst) block copies the runner must perform before the forward pass.
         """
+        if num_new == 1 and start // self.block_size < len(table.blocks):
+            if self.ref_count[table.blocks[start // self.block_size]] == 1:
+                return []  # the decode fast path: nothing to allocate or copy
         if not self.can_append(table, start, num_new):
             raise NoFreeBlocksError("KV pool exhausted")
         copies = []
@@ -190,6 +196,9 @@ class BlockManager:
         if len(free) != self.num_free:
             problems.append("a block is listed twice in the free lists")
         problems += [f"block {b} is free but referenced" for b in free if self.ref_count[b]]
-        problems += [f"block {b} is neither free nor referenced" for b in range(self.num_blocks)
-                     if not self.ref_count[b] and b not in free]
+        problems += [
+            f"block {b} is neither free nor referenced"
+            for b in range(self.num_blocks)
+            if not self.ref_count[b] and b not in free
+        ]
         return problems

@@ -42,8 +42,16 @@ def evaluate(expression: str) -> int | float | None:
             return None
         tree = ast.parse(expr, mode="eval")
         return _Walker(time.monotonic() + TIME_LIMIT_S).eval(tree.body, 0)
-    except (_Reject, SyntaxError, ValueError, TypeError, ZeroDivisionError, OverflowError, RecursionError,
-            MemoryError):
+    except (
+        _Reject,
+        SyntaxError,
+        ValueError,
+        TypeError,
+        ZeroDivisionError,
+        OverflowError,
+        RecursionError,
+        MemoryError,
+    ):
         return None
 
 

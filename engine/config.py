@@ -16,7 +16,9 @@ def _require(ok: bool, field: str, message: str) -> None:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_batched_tokens: int = 2048  # token budget of one step (decodes first, prefill chunks fill the rest)
+    max_num_batched_tokens: int = (
+        2048  # token budget of one step (decodes first, prefill chunks fill the rest)
+    )
     max_num_seqs: int = 256  # running sequences at once
     max_waiting: int = 1024  # queued requests beyond which add_request raises QueueFullError
     max_wait_steps: int = 0  # 0: strict FCFS; otherwise reserved for bounded-wait policies
@@ -55,8 +57,11 @@ class ModelLoadConfig:
         _require(bool(self.model), "model", "give the path of a local checkpoint directory")
         allowed = {"auto", "float32", "float16", "bfloat16", "float64"}
         _require(self.dtype in allowed, "dtype", f"must be one of {sorted(allowed)}")
-        _require(self.device in {"auto", "cpu", "cuda"} or self.device.startswith("cuda:"), "device",
-                 "must be auto, cpu, cuda or cuda:N")
+        _require(
+            self.device in {"auto", "cpu", "cuda"} or self.device.startswith("cuda:"),
+            "device",
+            "must be auto, cpu, cuda or cuda:N",
+        )
         _require(self.max_model_len is None or self.max_model_len >= 1, "max_model_len", "must be >= 1")
 
 

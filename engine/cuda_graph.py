@@ -1,56 +1,69 @@
 """CUDA-graph decode: capture one graph per batch-size bucket at start-up, replay it every decode step.
 
 A decode step is many small kernels; replaying a captured graph removes their launch gaps. Capture
-needs fixed shapes and addresses, so every input lives in a static buffer sized for the largest
-bucket, the block-table width is fixed at max_model_len / block_size (the decode kernel derives its
-split count from that width, never from the data), and all graphs share one memory pool. Kernels are
-compiled by the warm-up run before capture, so capture never JITs or autotunes.
-
-Padding rows (bucket size > batch) write nothing (slot -1) and attend over one position of block 0,
-so they stay finite; their outputs are ignored.
+needs fixed shapes and addresses, so each bucket owns static input buffers in the layout of
+engine/step_inputs.py, the block-table width is fixed at max_model_len / block_size (the decode kernel
+derives its split count from that width, never from the data), and all graphs share one memory pool.
+Kernels are compiled by the warm-up run before capture, so capture never JITs or autotunes.
+A step then costs two host-to-device copies into the bucket's buffers and one replay.
 """
 
 from __future__ import annotations
 
 import torch
 
-from engine.attention_context import AttentionMetadata, attention_context
+from engine.attention_context import attention_context
+from engine.step_inputs import StepBatch, pack, unpack
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
 
 
 class DecodeGraphs:
-    def __init__(self, model, device: torch.device, max_batch: int, max_blocks: int, block_size: int,
-                 hidden_size: int, dtype: torch.dtype):
+    def __init__(
+        self,
+        model,
+        device: torch.device,
+        max_batch: int,
+        width: int,
+        block_size: int,
+        hidden_size: int,
+        dtype: torch.dtype,
+    ):
         self.model = model
+        self.device = device
+        self.width = width
         self.block_size = block_size
         self.buckets = [b for b in DEFAULT_BUCKETS if b < max_batch] + [max_batch]
-        n = max_batch
-        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
-        self.positions = torch.zeros(n, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=device)
-        self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros((n, max_blocks), dtype=torch.int32, device=device)
-        self.cu_seqlens = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self.hidden = torch.zeros((n, hidden_size), dtype=dtype, device=device)
+        self.hidden = torch.zeros((max_batch, hidden_size), dtype=dtype, device=device)
+        self.inputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
 
-    def _meta(self, bs: int) -> AttentionMetadata:
-        return AttentionMetadata(
-            cu_seqlens_q=self.cu_seqlens[: bs + 1], seq_lens=self.seq_lens[:bs],
-            slot_mapping=self.slot_mapping[:bs], block_tables=self.block_tables[:bs],
-            query_lens_cpu=[1] * bs, seq_lens_cpu=[1] * bs, max_seqlen_q=1,
-            max_seqlen_k=self.block_tables.shape[1] * self.block_size, block_size=self.block_size)
-
     def _forward(self, bs: int) -> None:
-        with attention_context(self._meta(bs)):
-            self.hidden[:bs] = self.model(self.input_ids[:bs], self.positions[:bs])
+        i64, i32 = self.inputs[bs]
+        ids, pos, meta = unpack(
+            i64, i32, StepBatch(query_lens=[1], seq_lens=[1]), bs, self.width, self.block_size
+        )
+        with attention_context(meta):
+            self.hidden[:bs] = self.model(ids, pos)
 
     @torch.inference_mode()
     def capture(self) -> None:
         """Largest bucket first, so smaller graphs reuse its pool memory."""
         for bs in reversed(self.buckets):
+            i64, i32 = pack(
+                StepBatch(
+                    input_ids=[0],
+                    positions=[0],
+                    slot_mapping=[-1],
+                    query_lens=[1],
+                    seq_lens=[1],
+                    block_tables=[[0]],
+                ),
+                bs,
+                self.width,
+            )
+            self.inputs[bs] = (i64.to(self.device), i32.to(self.device))
             self._forward(bs)  # warm-up: compiles every kernel for this shape outside capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
@@ -61,21 +74,17 @@ class DecodeGraphs:
             self.graphs[bs] = graph
         torch.cuda.synchronize()
 
-    def can_run(self, batch: int) -> bool:
-        return bool(self.graphs) and batch <= self.buckets[-1]
+    def bucket(self, batch: int) -> int | None:
+        """The smallest captured batch size that holds `batch` decodes, or None when none does."""
+        return next((b for b in self.buckets if b >= batch), None)
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Copy this step's inputs into the static buffers, replay the bucket's graph, return hidden[:B]."""
-        b = input_ids.shape[0]
-        bs = next(x for x in self.buckets if x >= b)
-        self.input_ids[:b].copy_(input_ids)
-        self.positions[:b].copy_(positions)
-        self.slot_mapping[:b].copy_(meta.slot_mapping)
-        self.slot_mapping[b:bs].fill_(-1)
-        self.seq_lens[:b].copy_(meta.seq_lens)
-        self.seq_lens[b:bs].fill_(1)
-        width = meta.block_tables.shape[1]
-        self.block_tables[:b, :width].copy_(meta.block_tables.clamp(min=0))
-        self.block_tables[b:bs].zero_()
+    def run(self, batch: StepBatch) -> torch.Tensor:
+        """Copy this step's inputs into the bucket's buffers, replay its graph, return hidden[:B]."""
+        n = len(batch.seq_lens)
+        bs = self.bucket(n)
+        i64, i32 = pack(batch, bs, self.width)
+        static64, static32 = self.inputs[bs]
+        static64.copy_(i64.pin_memory(), non_blocking=True)
+        static32.copy_(i32.pin_memory(), non_blocking=True)
         self.graphs[bs].replay()
-        return self.hidden[:b]
+        return self.hidden[:n]

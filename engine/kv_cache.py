@@ -34,7 +34,11 @@ class KVCacheSpec:
 
 
 def plan_kv_cache(
-    cache: CacheConfig, model: ModelConfig, dtype: torch.dtype, device: torch.device, activation_bytes: int = 0
+    cache: CacheConfig,
+    model: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    activation_bytes: int = 0,
 ) -> KVCacheSpec:
     """Size the pool: an explicit block count, else a byte budget on CPU, else a fraction of GPU memory
     minus what the weights and the profiled activation peak already take."""
@@ -53,12 +57,17 @@ def plan_kv_cache(
             f"no room for the KV cache ({spec.bytes_per_block} bytes per block): raise "
             "gpu_memory_utilization / cpu_kv_cache_bytes, or use a smaller model or max_num_batched_tokens"
         )
-    return KVCacheSpec(num_blocks, cache.block_size, model.num_layers, model.num_kv_heads, model.head_dim, dtype)
+    return KVCacheSpec(
+        num_blocks, cache.block_size, model.num_layers, model.num_kv_heads, model.head_dim, dtype
+    )
 
 
 def allocate_kv_cache(spec: KVCacheSpec, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
     shape = (spec.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
     return [
-        (torch.zeros(shape, dtype=spec.dtype, device=device), torch.zeros(shape, dtype=spec.dtype, device=device))
+        (
+            torch.zeros(shape, dtype=spec.dtype, device=device),
+            torch.zeros(shape, dtype=spec.dtype, device=device),
+        )
         for _ in range(spec.num_layers)
     ]

@@ -49,8 +49,12 @@ class LLM:
         self.engine = LLMEngine(EngineConfig.from_kwargs(model, **config))
         self.tokenizer = self.engine.tokenizer
 
-    def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[GenerationResult]:
+    def generate(
+        self,
+        prompts: Prompt | list[Prompt],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[GenerationResult]:
         """One result per prompt, in order. A prompt is a string, token ids, or chat messages."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, dict))):
             prompts = [prompts]

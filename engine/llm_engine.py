@@ -1,6 +1,6 @@
 """LLMEngine: the synchronous core. add_request / step / abort; no threads, no network.
 
-    step():  schedule -> run the model -> postprocess
+step():  schedule -> run the model -> postprocess
 """
 
 from __future__ import annotations
@@ -33,8 +33,9 @@ class LLMEngine:
         self.runner = ModelRunner(config)
         mc = self.runner.model_config
         self.max_model_len = self.runner.max_model_len
-        self.block_manager = BlockManager(self.runner.kv_spec.num_blocks, config.cache.block_size,
-                                          config.cache.enable_prefix_caching)
+        self.block_manager = BlockManager(
+            self.runner.kv_spec.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
+        )
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.faults = FaultInjector(config.fault_injection, self.tokenizer.decode)
         eos = set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids)
@@ -42,7 +43,12 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._failed: list[Request] = []
         self._ids = itertools.count()
-        self.stats = {"num_aborts": 0, "num_errors": 0, "prompt_tokens_total": 0, "generation_tokens_total": 0}
+        self.stats = {
+            "num_aborts": 0,
+            "num_errors": 0,
+            "prompt_tokens_total": 0,
+            "generation_tokens_total": 0,
+        }
 
     # ------------------------------------------------------------------ requests
     def tokenize(self, prompt: Prompt) -> list[int]:
@@ -51,16 +57,21 @@ class LLMEngine:
         if prompt and all(isinstance(m, dict) for m in prompt):
             return self.tokenizer.encode_chat(prompt)
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            raise InvalidRequestError("prompt: must be a string, a list of token ids or chat messages",
-                                      field="prompt")
+            raise InvalidRequestError(
+                "prompt: must be a string, a list of token ids or chat messages", field="prompt"
+            )
         bad = [t for t in prompt if not 0 <= t < self.runner.model_config.vocab_size]
         if bad:
-            raise InvalidRequestError(f"prompt: token id {bad[0]} is outside the vocabulary "
-                                      f"[0, {self.runner.model_config.vocab_size})", field="prompt")
+            raise InvalidRequestError(
+                f"prompt: token id {bad[0]} is outside the vocabulary "
+                f"[0, {self.runner.model_config.vocab_size})",
+                field="prompt",
+            )
         return list(prompt)
 
-    def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+    def add_request(
+        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+    ) -> str:
         params = params or SamplingParams()
         ids = self.tokenize(prompt)
         self._admission_check(ids, params)
@@ -79,15 +90,20 @@ class LLMEngine:
         if len(ids) + params.max_tokens > self.max_model_len:
             raise PromptTooLongError(
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
-                f"length {self.max_model_len}: shorten the prompt or lower max_tokens", field="max_tokens")
+                f"length {self.max_model_len}: shorten the prompt or lower max_tokens",
+                field="max_tokens",
+            )
         need = -(-(len(ids) + params.max_tokens) // self.block_manager.block_size)
         if need > self.block_manager.num_blocks:
             raise PromptTooLongError(
                 f"the request needs {need} KV blocks but the pool has {self.block_manager.num_blocks}: "
-                "lower max_tokens or give the engine more KV memory", field="max_tokens")
+                "lower max_tokens or give the engine more KV memory",
+                field="max_tokens",
+            )
         if params.n > self.config.scheduler.max_num_seqs:
-            raise InvalidRequestError(f"n: {params.n} samples exceed max_num_seqs "
-                                      f"({self.config.scheduler.max_num_seqs})", field="n")
+            raise InvalidRequestError(
+                f"n: {params.n} samples exceed max_num_seqs ({self.config.scheduler.max_num_seqs})", field="n"
+            )
         if len(self.scheduler.waiting) >= self.config.scheduler.max_waiting:
             raise QueueFullError("the engine queue is full: retry later")
 
@@ -184,15 +200,28 @@ class LLMEngine:
             final = seq.finished and not seq.state.get("reported")
             if not (st.pending_ids or final):
                 continue
-            deltas.append(CompletionDelta(
-                index=seq.index, token_ids=st.pending_ids, text=self.processor.take_text(seq, seq.finished),
-                logprobs=st.pending_logprobs if request.params.logprobs is not None else None,
-                token_masks=st.pending_masks, finish_reason=seq.finish_reason if final else None,
-                error=seq.error if final else None))
+            deltas.append(
+                CompletionDelta(
+                    index=seq.index,
+                    token_ids=st.pending_ids,
+                    text=self.processor.take_text(seq, seq.finished),
+                    logprobs=st.pending_logprobs if request.params.logprobs is not None else None,
+                    token_masks=st.pending_masks,
+                    finish_reason=seq.finish_reason if final else None,
+                    error=seq.error if final else None,
+                )
+            )
             st.pending_ids, st.pending_masks, st.pending_logprobs = [], [], []
             seq.state["reported"] = seq.finished
-        return RequestOutput(request.request_id, deltas, request.finished, request.num_prompt,
-                             request.completion_tokens, request.cached_tokens, _copy(request.metrics))
+        return RequestOutput(
+            request.request_id,
+            deltas,
+            request.finished,
+            request.num_prompt,
+            request.completion_tokens,
+            request.cached_tokens,
+            _copy(request.metrics),
+        )
 
     # ------------------------------------------------------------------ introspection
     def audit(self) -> list[str]:

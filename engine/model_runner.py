@@ -7,8 +7,6 @@ sample, and sample every sampling sequence (n > 1 siblings share one logits row)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from engine.attention_context import AttentionMetadata, attention_context
@@ -21,33 +19,26 @@ from engine.models.layers import Attention
 from engine.request import Sequence
 from engine.sampler import Sampler, SampleResult, SamplingRow, upload
 from engine.scheduler import SchedulerOutput
+from engine.step_inputs import StepBatch, build_batch, pack, unpack
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-           "float64": torch.float64}
+_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+}
 
 
 def resolve_device_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
     load = config.load
-    device = torch.device("cuda" if load.device == "auto" and torch.cuda.is_available() else
-                          ("cpu" if load.device == "auto" else load.device))
+    device = torch.device(
+        "cuda"
+        if load.device == "auto" and torch.cuda.is_available()
+        else ("cpu" if load.device == "auto" else load.device)
+    )
     if load.dtype != "auto":
         return device, _DTYPES[load.dtype]
     return device, torch.bfloat16 if device.type == "cuda" else torch.float32
-
-
-@dataclass
-class StepBatch:
-    """Host-side description of one packed step, turned into tensors by `to_device`."""
-
-    input_ids: list[int]
-    positions: list[int]
-    slot_mapping: list[int]
-    query_lens: list[int]
-    seq_lens: list[int]
-    block_tables: list[list[int]]
-    logit_rows: list[int]  # packed index of the last token of every chunk that samples
-    sample_rows: list[int]  # for each sampling sequence, its row in logits[logit_rows]
-    samplers: list[Sequence]
 
 
 class ModelRunner:
@@ -71,69 +62,43 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not config.load.enforce_eager:
             self.graphs = DecodeGraphs(
-                self.model, self.device, min(config.scheduler.max_num_seqs, 512),
-                -(-self.max_model_len // self.block_size), self.block_size, self.model_config.hidden_size,
-                self.dtype)
+                self.model,
+                self.device,
+                min(config.scheduler.max_num_seqs, 512),
+                -(-self.max_model_len // self.block_size),
+                self.block_size,
+                self.model_config.hidden_size,
+                self.dtype,
+            )
             self.graphs.capture()
 
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> SampleResult:
         self._copy_blocks(out.block_copies)
-        batch = self.build_batch(out)
-        input_ids, positions, meta = self.to_device(batch)
-        if meta.is_decode and self.graphs is not None and self.graphs.can_run(meta.num_seqs):
-            hidden = self.graphs.run(input_ids, positions, meta)
-        else:
-            with attention_context(meta):
-                hidden = self.model(input_ids, positions)
+        batch = build_batch(out, self.block_size)
+        hidden = self._forward(batch)
         if not batch.samplers:
             return SampleResult([], [])
-        rows = upload(batch.logit_rows, torch.long, self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        if batch.logit_rows != list(range(len(batch.input_ids))):  # decode steps sample every row
+            hidden = hidden.index_select(0, upload(batch.logit_rows, torch.long, self.device))
+        logits = self.model.compute_logits(hidden)
         if batch.sample_rows != list(range(len(batch.logit_rows))):  # n > 1 siblings share a row
             logits = logits.index_select(0, upload(batch.sample_rows, torch.long, self.device))
         return self.sampler(logits, [self._sampling_row(s) for s in batch.samplers])
 
-    def build_batch(self, out: SchedulerOutput) -> StepBatch:
-        b = StepBatch([], [], [], [], [], [], [], [], [])
-        for chunk in out.chunks:
-            seq, start, end = chunk.seq, chunk.start, chunk.start + chunk.num_tokens
-            blocks = seq.table.blocks
-            b.input_ids += seq.token_ids[start:end]
-            b.positions += range(start, end)
-            # position p lives in block blocks[p // block_size] at offset p % block_size
-            b.slot_mapping += [blocks[p // self.block_size] * self.block_size + p % self.block_size
-                               for p in range(start, end)]
-            b.query_lens.append(chunk.num_tokens)
-            b.seq_lens.append(end)
-            b.block_tables.append(blocks)
-            if chunk.samples:
-                b.logit_rows.append(len(b.input_ids) - 1)
-                for s in chunk.samples:
-                    b.sample_rows.append(len(b.logit_rows) - 1)
-                    b.samplers.append(s)
-        return b
-
-    def to_device(self, b: StepBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        dev = self.device
-        width = max(len(t) for t in b.block_tables)
-        tables = [t + [-1] * (width - len(t)) for t in b.block_tables]  # -1: past the sequence's end
-        cu = [0]
-        for n in b.query_lens:
-            cu.append(cu[-1] + n)
-        meta = AttentionMetadata(
-            cu_seqlens_q=upload(cu, torch.int32, dev),
-            seq_lens=upload(b.seq_lens, torch.int32, dev),
-            slot_mapping=upload(b.slot_mapping, torch.int64, dev),
-            block_tables=upload(tables, torch.int32, dev),
-            query_lens_cpu=b.query_lens,
-            seq_lens_cpu=b.seq_lens,
-            max_seqlen_q=max(b.query_lens),
-            max_seqlen_k=max(b.seq_lens),
-            block_size=self.block_size,
-        )
-        return upload(b.input_ids, torch.long, dev), upload(b.positions, torch.long, dev), meta
+    def _forward(self, batch: StepBatch) -> torch.Tensor:
+        n = len(batch.seq_lens)
+        if self.graphs is not None and batch.is_decode and self.graphs.bucket(n) is not None:
+            return self.graphs.run(batch)
+        width = max(len(t) for t in batch.block_tables)
+        i64, i32 = pack(batch, n, width)
+        if self.device.type == "cuda":
+            i64 = i64.pin_memory().to(self.device, non_blocking=True)
+            i32 = i32.pin_memory().to(self.device, non_blocking=True)
+        input_ids, positions, meta = unpack(i64, i32, batch, n, width, self.block_size)
+        with attention_context(meta):
+            return self.model(input_ids, positions)
 
     # ------------------------------------------------------------------ helpers
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
@@ -155,7 +120,7 @@ class ModelRunner:
                 gen = torch.Generator(device=self.device)
                 gen.manual_seed(params.seed + seq.index)
                 self.generators[seq.seq_id] = gen
-        return SamplingRow(params, seq.request.prompt_ids, seq.output_ids, gen)
+        return SamplingRow(params, seq.token_ids, seq.num_prompt, gen)
 
     def release(self, seq: Sequence) -> None:
         self.generators.pop(seq.seq_id, None)
@@ -171,7 +136,7 @@ class ModelRunner:
         meta = AttentionMetadata.for_full_sequences([n], self.device)
         with torch.inference_mode(), attention_context(meta):
             hidden = self.model(ids, torch.arange(n, device=self.device))
-            self.model.compute_logits(hidden[-min(n, self.config.scheduler.max_num_seqs):])
+            self.model.compute_logits(hidden[-min(n, self.config.scheduler.max_num_seqs) :])
         peak = torch.cuda.max_memory_allocated(self.device) - before
         torch.cuda.empty_cache()
         return peak

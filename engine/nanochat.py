@@ -29,13 +29,25 @@ class Engine:
         if tok.bos_token_id is not None:
             self.terminals.add(tok.bos_token_id)
 
-    def generate(self, tokens: list[int], num_samples: int = 1, max_tokens: int | None = None,
-                 temperature: float = 1.0, top_k: int | None = None, seed: int = 42
-                 ) -> Iterator[tuple[list[int], list[int]]]:
+    def generate(
+        self,
+        tokens: list[int],
+        num_samples: int = 1,
+        max_tokens: int | None = None,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        seed: int = 42,
+    ) -> Iterator[tuple[list[int], list[int]]]:
         max_tokens = max_tokens or max(1, self.engine.max_model_len - len(tokens))
-        params = SamplingParams(n=num_samples, max_tokens=max_tokens, temperature=temperature,
-                                top_k=top_k or 0, seed=seed, tool=self.tool,
-                                stop_token_ids=sorted(self.terminals))
+        params = SamplingParams(
+            n=num_samples,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_k=top_k or 0,
+            seed=seed,
+            tool=self.tool,
+            stop_token_ids=sorted(self.terminals),
+        )
         rid = self.engine.add_request(list(tokens), params)
         queues = [deque() for _ in range(num_samples)]
         done = [False] * num_samples
@@ -65,8 +77,9 @@ class Engine:
                 queues[d.index].extend(zip(d.token_ids, d.token_masks))
                 done[d.index] = done[d.index] or d.finish_reason is not None
 
-    def generate_batch(self, tokens: list[int], num_samples: int = 1, **kwargs
-                       ) -> tuple[list[list[int]], list[list[int]]]:
+    def generate_batch(
+        self, tokens: list[int], num_samples: int = 1, **kwargs
+    ) -> tuple[list[list[int]], list[list[int]]]:
         """Whole sequences (prompt + generated, terminal tokens excluded) and their masks."""
         results = [list(tokens) for _ in range(num_samples)]
         masks = [[0] * len(tokens) for _ in range(num_samples)]

@@ -37,8 +37,9 @@ class SampleState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer, eos_token_ids: set[int], max_model_len: int,
-                 faults: FaultInjector):
+    def __init__(
+        self, tokenizer: Tokenizer, eos_token_ids: set[int], max_model_len: int, faults: FaultInjector
+    ):
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
@@ -63,10 +64,11 @@ class OutputProcessor:
             if forced:
                 self._append(seq, forced, 0)
         reason = None
-        if forced is None and (token in params.stop_token_ids or
-                               (token in self.eos_token_ids and not params.ignore_eos)):
+        if forced is None and (
+            token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos)
+        ):
             reason = "stop"
-        over = len(seq.output_ids) - params.max_tokens
+        over = seq.num_output - params.max_tokens
         if over >= 0:
             if over > 0:  # forced tokens overshot the budget: keep exactly max_tokens
                 del seq.token_ids[-over:], seq.masks[-over:], st.pending_ids[-over:], st.pending_masks[-over:]
@@ -87,7 +89,7 @@ class OutputProcessor:
 
     def _budget_forcing(self, seq: Sequence, token: int) -> list[int] | None:
         bf = seq.request.params.budget_forcing
-        if bf is None or len(seq.output_ids) >= bf.min_tokens:
+        if bf is None or seq.num_output >= bf.min_tokens:
             return None
         if token not in self._encode(bf.suppress)[:1]:
             return None
@@ -109,8 +111,11 @@ class OutputProcessor:
         value = evaluate(self.tokenizer.decode(ids[start + 1 : -1]))
         if value is None:
             return None
-        return (self._encode(tool.output_start) + self._encode(format_result(value))
-                + self._encode(tool.output_end))
+        return (
+            self._encode(tool.output_start)
+            + self._encode(format_result(value))
+            + self._encode(tool.output_end)
+        )
 
     def _append(self, seq: Sequence, tokens: list[int], mask: int, logprob=None) -> None:
         st = self.state(seq)
@@ -127,8 +132,8 @@ class OutputProcessor:
         """Feed new output tokens to the detokenizer; True when a stop string was found."""
         st, stops = self.state(seq), seq.request.params.stop
         self.faults.check("detokenize", seq.request)
-        new = seq.output_ids[st.num_seen :]
-        st.num_seen = len(seq.output_ids)
+        new = seq.token_ids[seq.num_prompt + st.num_seen :]
+        st.num_seen = seq.num_output
         if skip_last:
             new = new[:-1]  # a stop token / EOS is never part of the text
         for token in new:

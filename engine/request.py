@@ -55,6 +55,10 @@ class Sequence:
         return self.request.num_prompt
 
     @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.request.num_prompt
+
+    @property
     def output_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt :]
 

@@ -70,8 +70,14 @@ class SamplingParams:
             self.top_k = 0
         _check(isinstance(self.n, int) and 1 <= self.n <= MAX_N, "n", f"must be an integer in [1, {MAX_N}]")
         _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "must be >= 1")
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                     "frequency_penalty"):
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "repetition_penalty",
+            "presence_penalty",
+            "frequency_penalty",
+        ):
             _check(math.isfinite(float(getattr(self, name))), name, "must be a finite number")
         _check(0.0 <= self.temperature <= 100.0, "temperature", "must be in [0, 100]")
         _check(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
@@ -80,14 +86,23 @@ class SamplingParams:
         _check(0.0 < self.repetition_penalty <= 10.0, "repetition_penalty", "must be in (0, 10]")
         _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]")
         _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]")
-        _check(self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS, "logprobs",
-               f"must be in [0, {MAX_TOP_LOGPROBS}]")
+        _check(
+            self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS,
+            "logprobs",
+            f"must be in [0, {MAX_TOP_LOGPROBS}]",
+        )
         _check(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} stop strings")
         for s in self.stop:
-            _check(isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_LEN, "stop",
-                   f"each stop string must be 1..{MAX_STOP_STRING_LEN} characters")
-        _check(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63), "seed",
-               "must be an integer in [0, 2**63)")
+            _check(
+                isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_LEN,
+                "stop",
+                f"each stop string must be 1..{MAX_STOP_STRING_LEN} characters",
+            )
+        _check(
+            self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
+            "seed",
+            "must be an integer in [0, 2**63)",
+        )
 
     @property
     def greedy(self) -> bool:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
-from engine.request import Request, Sequence, SeqStatus
+from engine.request import Request, SeqStatus, Sequence
 
 
 @dataclass

@@ -74,8 +74,14 @@ class PromptMaker:
         return self.make(random.Random(12345), tokens)
 
 
-def sample(rng: random.Random, shape: Shape, maker: PromptMaker, prompt_scale: float, gen_scale: float,
-           max_context: int) -> Request:
+def sample(
+    rng: random.Random,
+    shape: Shape,
+    maker: PromptMaker,
+    prompt_scale: float,
+    gen_scale: float,
+    max_context: int,
+) -> Request:
     """Draw one request; lengths scaled, then clipped so prompt + generation fit in the context."""
     prompt_len = max(1, round(rng.randint(*shape.prompt) * prompt_scale))
     gen = max(1, round(rng.randint(*shape.gen) * gen_scale))

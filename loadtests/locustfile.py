@@ -30,6 +30,7 @@ import json
 import random
 import time
 
+import requests
 from _workloads import SHAPES, WORDS, PromptMaker, Request, parse_mix, sample
 from locust import HttpUser, constant, events, task
 
@@ -37,34 +38,45 @@ from locust import HttpUser, constant, events, task
 @events.init_command_line_parser.add_listener
 def _add_arguments(parser) -> None:
     group = parser.add_argument_group("minserve workload")
-    group.add_argument("--workload", default="W2", env_var="MINSERVE_WORKLOAD", help="W1, W2, W3 or W1:1,W2:3")
-    group.add_argument("--model", default="", env_var="MINSERVE_MODEL", help="model name (default: ask the server)")
-    group.add_argument("--prompt-format", default="ids", choices=["ids", "text"], env_var="MINSERVE_PROMPT_FORMAT")
-    group.add_argument("--endpoint", default="auto", choices=["auto", "completions", "chat"],
-                       env_var="MINSERVE_ENDPOINT")
+    group.add_argument(
+        "--workload", default="W2", env_var="MINSERVE_WORKLOAD", help="W1, W2, W3 or W1:1,W2:3"
+    )
+    group.add_argument(
+        "--model", default="", env_var="MINSERVE_MODEL", help="model name (default: ask the server)"
+    )
+    group.add_argument(
+        "--prompt-format", default="ids", choices=["ids", "text"], env_var="MINSERVE_PROMPT_FORMAT"
+    )
+    group.add_argument(
+        "--endpoint", default="auto", choices=["auto", "completions", "chat"], env_var="MINSERVE_ENDPOINT"
+    )
     group.add_argument("--gen-scale", type=float, default=1.0, env_var="MINSERVE_GEN_SCALE")
     group.add_argument("--prompt-scale", type=float, default=1.0, env_var="MINSERVE_PROMPT_SCALE")
     group.add_argument("--no-ignore-eos", action="store_true", env_var="MINSERVE_NO_IGNORE_EOS")
 
 
-_FACTS: dict = {}  # per worker process: model, max_model_len, vocab_size, tokens_per_word
+_FACTS: dict = {}  # per process: model, max_model_len, vocab_size, tokens_per_word
 
 
-def server_facts(user: HttpUser) -> dict:
-    """Model facts from GET /v1/models, plus (text prompts) the tokenizer's tokens-per-word ratio."""
-    if _FACTS:
-        return _FACTS
-    opts = user.environment.parsed_options
-    card = user.client.get("/v1/models", name="setup /v1/models").json()["data"][0]
-    facts = {"model": opts.model or card["id"], "max_model_len": card.get("max_model_len") or 2048,
-             "vocab_size": card.get("vocab_size") or 32000, "tokens_per_word": 1.0}
+@events.test_start.add_listener
+def _discover(environment, **_kwargs) -> None:
+    """Model facts from GET /v1/models, plus (text prompts) the tokenizer's tokens-per-word ratio.
+
+    Runs once per process before users start; these set-up calls stay out of the statistics."""
+    opts, host = environment.parsed_options, environment.host.rstrip("/")
+    card = requests.get(f"{host}/v1/models", timeout=30).json()["data"][0]
+    facts = {
+        "model": opts.model or card["id"],
+        "max_model_len": card.get("max_model_len") or 2048,
+        "vocab_size": card.get("vocab_size") or 32000,
+        "tokens_per_word": 1.0,
+    }
     if opts.prompt_format == "text":
         text = " ".join(random.Random(0).choice(WORDS) for _ in range(200))
         body = {"model": facts["model"], "prompt": text, "max_tokens": 1}
-        usage = user.client.post("/v1/completions", json=body, name="setup calibrate").json()["usage"]
+        usage = requests.post(f"{host}/v1/completions", json=body, timeout=60).json()["usage"]
         facts["tokens_per_word"] = max(0.5, usage["prompt_tokens"] / 200)
     _FACTS.update(facts)
-    return _FACTS
 
 
 class OpenAIStreamUser(HttpUser):
@@ -72,7 +84,7 @@ class OpenAIStreamUser(HttpUser):
 
     def on_start(self) -> None:
         opts = self.environment.parsed_options
-        facts = server_facts(self)
+        facts = _FACTS
         self.opts, self.facts = opts, facts
         self.rng = random.Random()
         self.mix = parse_mix(opts.workload)
@@ -84,18 +96,29 @@ class OpenAIStreamUser(HttpUser):
     def generate(self) -> None:
         names, weights = zip(*self.mix)
         shape = SHAPES[self.rng.choices(names, weights)[0]]
-        req = sample(self.rng, shape, self.maker, self.opts.prompt_scale, self.opts.gen_scale,
-                     self.facts["max_model_len"])
+        req = sample(
+            self.rng,
+            shape,
+            self.maker,
+            self.opts.prompt_scale,
+            self.opts.gen_scale,
+            self.facts["max_model_len"],
+        )
         path, body = self._request_body(req)
         self._stream(path, body, f"{req.workload} {path}")
 
     def _request_body(self, req: Request) -> tuple[str, dict]:
-        common = {"model": self.facts["model"], "max_tokens": req.max_tokens, "stream": True,
-                  "stream_options": {"include_usage": True}}
+        common = {
+            "model": self.facts["model"],
+            "max_tokens": req.max_tokens,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         if not self.opts.no_ignore_eos:
             common["ignore_eos"] = True
         chat = self.opts.endpoint == "chat" or (
-            self.opts.endpoint == "auto" and req.prefix is not None and isinstance(req.prompt, str))
+            self.opts.endpoint == "auto" and req.prefix is not None and isinstance(req.prompt, str)
+        )
         if chat:
             messages = [{"role": "user", "content": req.prompt}]
             if req.prefix is not None:
@@ -145,13 +168,31 @@ class OpenAIStreamUser(HttpUser):
     def _report(self, name: str, start: float, times: list[float], end: float, tokens: int) -> None:
         fire = self.environment.events.request.fire
         if times:
-            fire(request_type="TTFT", name=name, response_time=(times[0] - start) * 1000,
-                 response_length=tokens, exception=None, context={})
+            fire(
+                request_type="TTFT",
+                name=name,
+                response_time=(times[0] - start) * 1000,
+                response_length=tokens,
+                exception=None,
+                context={},
+            )
         for a, b in zip(times, times[1:]):
-            fire(request_type="ITL", name=name, response_time=(b - a) * 1000, response_length=0,
-                 exception=None, context={})
-        fire(request_type="E2E", name=name, response_time=(end - start) * 1000, response_length=tokens,
-             exception=None, context={})
+            fire(
+                request_type="ITL",
+                name=name,
+                response_time=(b - a) * 1000,
+                response_length=0,
+                exception=None,
+                context={},
+            )
+        fire(
+            request_type="E2E",
+            name=name,
+            response_time=(end - start) * 1000,
+            response_length=tokens,
+            exception=None,
+            context={},
+        )
 
 
 def _chunk_text(choice: dict) -> str:

@@ -34,8 +34,9 @@ def random_workload(rng: random.Random, vocab: int):
         if rng.random() < 0.5:
             prompt = rng.choice(prefixes) + prompt
         prompt = prompt[: rng.randint(1, 300)]
-        params = SamplingParams(n=rng.randint(1, 4), max_tokens=rng.randint(1, 12), temperature=0.0,
-                                ignore_eos=True)
+        params = SamplingParams(
+            n=rng.randint(1, 4), max_tokens=rng.randint(1, 12), temperature=0.0, ignore_eos=True
+        )
         requests.append((rng.randint(0, 8), prompt, params))
     return requests
 
@@ -43,7 +44,9 @@ def random_workload(rng: random.Random, vocab: int):
 def run_workload(engine: LLMEngine, requests) -> dict[str, list[list[int]]]:
     """Add each request at its arrival step; every sample's token ids, keyed "r<index in requests>"."""
     pending = sorted(enumerate(requests), key=lambda r: r[1][0])
-    outputs: dict[str, list[list[int]]] = {f"r{i}": [[] for _ in range(r[2].n)] for i, r in enumerate(requests)}
+    outputs: dict[str, list[list[int]]] = {
+        f"r{i}": [[] for _ in range(r[2].n)] for i, r in enumerate(requests)
+    }
     step = 0
     while pending or engine.has_unfinished():
         while pending and pending[0][1][0] <= step:
@@ -66,8 +69,13 @@ def test_random_workloads_match_naive_recompute(tiny_model_dir, reference):
         requests = random_workload(rng, vocab)
         # the largest single request must fit; the sum usually does not, which forces preemption
         need = max(-(-(len(p) + sp.max_tokens) // block_size) for _, p, sp in requests)
-        engine = make_engine(tiny_model_dir, block_size=block_size, num_blocks=need + rng.randint(0, need),
-                             max_num_batched_tokens=rng.choice([16, 64, 512]), max_num_seqs=rng.choice([4, 8, 64]))
+        engine = make_engine(
+            tiny_model_dir,
+            block_size=block_size,
+            num_blocks=need + rng.randint(0, need),
+            max_num_batched_tokens=rng.choice([16, 64, 512]),
+            max_num_seqs=rng.choice([4, 8, 64]),
+        )
         outputs = run_workload(engine, requests)
         for (_, prompt, params), (rid, samples) in zip(requests, outputs.items()):
             expected = reference.greedy(prompt, params.max_tokens)
@@ -80,15 +88,32 @@ def test_random_workloads_match_naive_recompute(tiny_model_dir, reference):
 
 
 def test_seeded_sampling_is_batch_independent(tiny_model_dir):
-    params = SamplingParams(n=2, max_tokens=24, temperature=0.9, top_p=0.95, top_k=50, seed=7,
-                            ignore_eos=True, repetition_penalty=1.1, presence_penalty=0.2)
+    params = SamplingParams(
+        n=2,
+        max_tokens=24,
+        temperature=0.9,
+        top_p=0.95,
+        top_k=50,
+        seed=7,
+        ignore_eos=True,
+        repetition_penalty=1.1,
+        presence_penalty=0.2,
+    )
     prompt = list(range(5, 40))
     alone = run_workload(make_engine(tiny_model_dir), [(0, prompt, params)])
     rng = random.Random(0)
-    crowd = [(rng.randint(0, 5), [rng.randrange(500) for _ in range(rng.randint(5, 80))],
-              SamplingParams(max_tokens=20, temperature=1.0, ignore_eos=True)) for _ in range(10)]
-    crowded = run_workload(make_engine(tiny_model_dir, num_blocks=40, block_size=4),
-                           crowd[:5] + [(2, prompt, params)] + crowd[5:])
+    crowd = [
+        (
+            rng.randint(0, 5),
+            [rng.randrange(500) for _ in range(rng.randint(5, 80))],
+            SamplingParams(max_tokens=20, temperature=1.0, ignore_eos=True),
+        )
+        for _ in range(10)
+    ]
+    crowded = run_workload(
+        make_engine(tiny_model_dir, num_blocks=40, block_size=4),
+        crowd[:5] + [(2, prompt, params)] + crowd[5:],
+    )
     (alone_samples,) = alone.values()
     assert list(crowded.values())[5] == alone_samples
     assert alone_samples[0] != alone_samples[1], "the n samples of a seeded request must differ"

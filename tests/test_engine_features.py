@@ -118,7 +118,10 @@ class ForcedSampler:
     def __call__(self, logits, rows):
         result = self.real(logits, rows)
         self.calls += 1
-        ids = [self.token if self.when(self.calls, i, r) else t for i, (t, r) in enumerate(zip(result.token_ids, rows))]
+        ids = [
+            self.token if self.when(self.calls, i, r) else t
+            for i, (t, r) in enumerate(zip(result.token_ids, rows))
+        ]
         return SampleResult(ids, result.logprobs)
 
 
@@ -127,7 +130,11 @@ def test_calculator_result_is_forced_with_mask_zero(tiny_model_dir, reference):
     tok = engine.tokenizer
     tool = ToolConfig()
     start, end = tok.token_id(tool.python_start), tok.token_id(tool.python_end)
-    prompt = tok.encode("Compute:", add_special_tokens=False) + [start] + tok.encode("12*(3+4)", add_special_tokens=False)
+    prompt = (
+        tok.encode("Compute:", add_special_tokens=False)
+        + [start]
+        + tok.encode("12*(3+4)", add_special_tokens=False)
+    )
     with_tool = engine.add_request(prompt, SamplingParams(max_tokens=12, tool=tool, **GREEDY))
     bystander = engine.add_request(prompt, SamplingParams(max_tokens=12, **GREEDY))
     engine.runner.sampler = ForcedSampler(engine.runner, end, lambda call, i, r: call == 1 and r.params.tool)
@@ -138,7 +145,11 @@ def test_calculator_result_is_forced_with_mask_zero(tiny_model_dir, reference):
             for d in o.outputs:
                 tokens.setdefault(o.request_id, []).extend(d.token_ids)
                 masks.setdefault(o.request_id, []).extend(d.token_masks)
-    forced = [tok.token_id(tool.output_start)] + tok.encode("84", add_special_tokens=False) + [tok.token_id(tool.output_end)]
+    forced = (
+        [tok.token_id(tool.output_start)]
+        + tok.encode("84", add_special_tokens=False)
+        + [tok.token_id(tool.output_end)]
+    )
     got = tokens[with_tool]
     assert got[: 1 + len(forced)] == [end] + forced
     assert masks[with_tool][: 1 + len(forced)] == [1] + [0] * len(forced)
@@ -204,7 +215,9 @@ def test_budget_forcing_holds_the_suppress_token_until_the_budget(tiny_model_dir
 def test_nanochat_generate_batch_matches_llm(tiny_model_dir, reference):
     engine = make_engine(tiny_model_dir)
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
-    results, masks = NanochatEngine(engine).generate_batch(prompt, num_samples=2, max_tokens=10, temperature=0.0)
+    results, masks = NanochatEngine(engine).generate_batch(
+        prompt, num_samples=2, max_tokens=10, temperature=0.0
+    )
     expected = reference.greedy(prompt, 10, stop_ids=NanochatEngine(engine).terminals)
     for row, mask in zip(results, masks):
         assert row == prompt + [t for t in expected if t not in NanochatEngine(engine).terminals]

@@ -32,9 +32,17 @@ def test_gpu_greedy_matches_naive_recompute(tiny_model_dir, enforce_eager):
     rng = random.Random(0)
     prompts = [[rng.randrange(1500) for _ in range(rng.randint(1, 300))] for _ in range(24)]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    engine = LLMEngine(EngineConfig.from_kwargs(str(tiny_model_dir), dtype="float32", device="cuda",
-                                                enforce_eager=enforce_eager, max_num_batched_tokens=256,
-                                                block_size=16, num_blocks=200))
+    engine = LLMEngine(
+        EngineConfig.from_kwargs(
+            str(tiny_model_dir),
+            dtype="float32",
+            device="cuda",
+            enforce_eager=enforce_eager,
+            max_num_batched_tokens=256,
+            block_size=16,
+            num_blocks=200,
+        )
+    )
     assert (engine.runner.graphs is None) == enforce_eager
     got = run(engine, prompts, params)
     ref = NaiveGenerator(tiny_model_dir, dtype=torch.float64)
@@ -48,8 +56,11 @@ def test_graph_and_eager_agree_in_bf16(tiny_model_dir):
     params = SamplingParams(max_tokens=12, temperature=0.8, seed=3, ignore_eos=True)
     outs = []
     for eager in (True, False):
-        engine = LLMEngine(EngineConfig.from_kwargs(str(tiny_model_dir), dtype="bfloat16", device="cuda",
-                                                    enforce_eager=eager, num_blocks=512))
+        engine = LLMEngine(
+            EngineConfig.from_kwargs(
+                str(tiny_model_dir), dtype="bfloat16", device="cuda", enforce_eager=eager, num_blocks=512
+            )
+        )
         outs.append(run(engine, prompts, params))
         del engine
     same = sum(a == b for a, b in zip(*outs))

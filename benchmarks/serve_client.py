@@ -1,0 +1,133 @@
+"""A closed-loop streaming load client: loadtests/locustfile.py's workload and timings, without Locust.
+
+    python -m benchmarks.serve_client --host http://127.0.0.1:8000 --users 64 --duration 60 --out DIR
+
+serve_w2.sh uses it where Locust is not installed (the offline GPU host). Requests are drawn from
+loadtests/_workloads.py (W2 by default: prompt ids uniform in [32, 1024] tokens, max_tokens uniform
+in [64, 256], ignore_eos), sent to /v1/completions with stream=true; each user sends its next request
+when the last one ends. Users start at --spawn-rate per second; at --duration every user stops and a
+request still in flight is dropped (as Locust's -t does). Writes DIR/summary.json: TTFT (sent -> first
+chunk with text), ITL (gap between consecutive chunks with text), E2E (sent -> [DONE]), in ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "loadtests"))
+
+from _workloads import SHAPES, PromptMaker, parse_mix, sample  # noqa: E402
+
+from benchmarks.serve_summary import percentiles  # noqa: E402
+
+
+def _text(choice: dict) -> str:
+    return choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+
+
+async def stream_once(session, url: str, body: dict) -> dict:
+    """One streamed completion; the chunk arrival times of every chunk that carries text."""
+    start = time.perf_counter()
+    times: list[float] = []
+    usage = None
+    async with session.post(url, json=body) as resp:
+        if resp.status != 200:
+            return {"ok": False, "error": f"HTTP {resp.status}: {(await resp.text())[:200]}"}
+        async for raw in resp.content:  # one SSE line at a time
+            line = raw.strip()
+            if not line:
+                continue
+            if line == b"data: [DONE]":
+                end = time.perf_counter()
+                tokens = (usage or {}).get("completion_tokens", len(times))
+                return {"ok": True, "start": start, "times": times, "end": end, "tokens": tokens}
+            chunk = json.loads(line.removeprefix(b"data: "))
+            if "error" in chunk:
+                return {"ok": False, "error": f"error event: {chunk['error']}"}
+            usage = chunk.get("usage") or usage
+            if any(_text(c) for c in chunk.get("choices", [])):
+                times.append(time.perf_counter())
+    return {"ok": False, "error": "stream ended without data: [DONE]"}
+
+
+async def user_loop(i: int, args, session, facts: dict, deadline: float, results: list) -> None:
+    await asyncio.sleep(i / args.spawn_rate)
+    rng = random.Random(args.seed * 100_003 + i)
+    maker = PromptMaker(facts["vocab_size"], 1.0, as_text=False)
+    mix = parse_mix(args.workload)
+    names, weights = zip(*mix)
+    while time.perf_counter() < deadline:
+        req = sample(rng, SHAPES[rng.choices(names, weights)[0]], maker, args.prompt_scale, args.gen_scale,
+                     facts["max_model_len"])  # fmt: skip
+        prompt = (req.prefix or []) + req.prompt
+        body = {"model": facts["model"], "prompt": prompt, "max_tokens": req.max_tokens, "stream": True,
+                "stream_options": {"include_usage": True}, "ignore_eos": True}  # fmt: skip
+        try:
+            res = await asyncio.wait_for(stream_once(session, args.host + "/v1/completions", body),
+                                         timeout=max(0.01, deadline - time.perf_counter()))  # fmt: skip
+        except asyncio.TimeoutError:
+            return  # in flight at the deadline: dropped
+        except Exception as exc:  # a refused connection, a reset stream
+            res = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        results.append(res)
+
+
+async def run(args) -> dict:
+    import aiohttp
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=args.users + 4),
+                                     timeout=aiohttp.ClientTimeout(total=None)) as session:  # fmt: skip
+        async with session.get(args.host + "/v1/models") as resp:
+            card = (await resp.json())["data"][0]
+        facts = {"model": card["id"], "max_model_len": card.get("max_model_len") or 2048,
+                 "vocab_size": card.get("vocab_size") or 32000}  # fmt: skip
+        results: list[dict] = []
+        t0 = time.perf_counter()
+        deadline = t0 + args.duration
+        await asyncio.gather(*(user_loop(i, args, session, facts, deadline, results) for i in range(args.users)))
+        elapsed = time.perf_counter() - t0
+    return summarize(results, elapsed, facts)
+
+
+def summarize(results: list[dict], elapsed: float, facts: dict) -> dict:
+    ok = [r for r in results if r["ok"]]
+    ttft = [1e3 * (r["times"][0] - r["start"]) for r in ok if r["times"]]
+    itl = [1e3 * (b - a) for r in ok for a, b in zip(r["times"], r["times"][1:])]
+    e2e = [1e3 * (r["end"] - r["start"]) for r in ok]
+    errors = [r["error"] for r in results if not r["ok"]]
+    return {"source": "benchmarks.serve_client", "model": facts["model"], "requests": len(ok),
+            "failures": len(errors), "first_errors": errors[:3], "elapsed_s": elapsed,
+            "req_s": len(ok) / elapsed, "output_tok_s": sum(r["tokens"] for r in ok) / elapsed,
+            "ttft_ms": percentiles(ttft), "itl_ms": percentiles(itl), "e2e_ms": percentiles(e2e)}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--host", default="http://127.0.0.1:8000")
+    p.add_argument("--users", type=int, default=64)
+    p.add_argument("--spawn-rate", type=float, default=16.0, help="users started per second")
+    p.add_argument("--duration", type=float, default=60.0, help="seconds")
+    p.add_argument("--workload", default="W2", help="W1, W2, W3 or a mix like W1:1,W2:3")
+    p.add_argument("--gen-scale", type=float, default=1.0)
+    p.add_argument("--prompt-scale", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True, help="directory for summary.json")
+    args = p.parse_args(argv)
+    summary = asyncio.run(run(args))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    q = lambda m: " ".join(f"{k} {summary[m][k]:.1f}" for k in ("p50", "p90", "p99") if summary[m][k] is not None)
+    print(f"{summary['requests']} requests ({summary['failures']} failed), {summary['output_tok_s']:.0f} tok/s; "
+          f"TTFT ms {q('ttft_ms')}; ITL ms {q('itl_ms')}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""Packing one scheduled step into flat tensors: the only request -> tensor translation.
+
+All integer inputs of a step travel to the device in two host buffers (one int64, one int32), so a
+step costs two pinned host-to-device copies however many sequences it has:
+
+    int64: input_ids[R] | positions[R] | slot_mapping[R]
+    int32: cu_seqlens_q[S + 1] | seq_lens[S] | block_tables[S * W]
+
+R rows of tokens and S sequences, padded beyond the real batch when a CUDA graph bucket is bigger:
+padding tokens have slot -1 (write nothing), padding sequences have one query token, seq_len 1 and
+block 0 (finite reads, ignored outputs). W is the block-table width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from engine.attention_context import AttentionMetadata
+from engine.scheduler import SchedulerOutput
+
+
+@dataclass
+class StepBatch:
+    """Host-side description of one packed step."""
+
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slot_mapping: list[int] = field(default_factory=list)
+    query_lens: list[int] = field(default_factory=list)
+    seq_lens: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)
+    logit_rows: list[int] = field(default_factory=list)  # packed index of each sampling chunk's last token
+    sample_rows: list[int] = field(default_factory=list)  # for each sampling sequence, its logits row
+    samplers: list = field(default_factory=list)
+
+    @property
+    def is_decode(self) -> bool:
+        return all(n == 1 for n in self.query_lens)
+
+
+def build_batch(out: SchedulerOutput, block_size: int) -> StepBatch:
+    b = StepBatch()
+    for chunk in out.chunks:
+        seq, start, end = chunk.seq, chunk.start, chunk.start + chunk.num_tokens
+        blocks = seq.table.blocks
+        b.input_ids += seq.token_ids[start:end]
+        b.positions += range(start, end)
+        # position p lives in block blocks[p // block_size] at offset p % block_size
+        b.slot_mapping += [blocks[p // block_size] * block_size + p % block_size for p in range(start, end)]
+        b.query_lens.append(chunk.num_tokens)
+        b.seq_lens.append(end)
+        b.block_tables.append(blocks)
+        if chunk.samples:
+            b.logit_rows.append(len(b.input_ids) - 1)
+            for s in chunk.samples:
+                b.sample_rows.append(len(b.logit_rows) - 1)
+                b.samplers.append(s)
+    return b
+
+
+def pack(b: StepBatch, num_seqs: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two host buffers, padded to `num_seqs` sequences (>= the real count; padding only for
+    decode steps, where rows == sequences) and block-table width `width`."""
+    pad = num_seqs - len(b.seq_lens)
+    rows = len(b.input_ids) + pad
+    i64 = np.empty(3 * rows, dtype=np.int64)
+    i64[: len(b.input_ids)] = b.input_ids
+    i64[rows : rows + len(b.positions)] = b.positions
+    i64[2 * rows : 2 * rows + len(b.slot_mapping)] = b.slot_mapping
+    i64[rows - pad : rows] = 0
+    i64[2 * rows - pad : 2 * rows] = 0
+    i64[3 * rows - pad :] = -1
+    i32 = np.zeros(2 * num_seqs + 1 + num_seqs * width, dtype=np.int32)
+    i32[1 : len(b.query_lens) + 1] = np.cumsum(b.query_lens)
+    i32[len(b.query_lens) + 1 : num_seqs + 1] = i32[len(b.query_lens)] + np.arange(1, pad + 1)
+    i32[num_seqs + 1 : 2 * num_seqs + 1] = b.seq_lens + [1] * pad
+    tables = i32[2 * num_seqs + 1 :].reshape(num_seqs, width)
+    for row, blocks in zip(tables, b.block_tables):
+        row[: len(blocks)] = blocks  # entries past a sequence's last block are never read
+    return torch.from_numpy(i64), torch.from_numpy(i32)
+
+
+def unpack(
+    i64: torch.Tensor, i32: torch.Tensor, b: StepBatch, num_seqs: int, width: int, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """(input_ids, positions, metadata) as views into the two buffers, on whatever device they are."""
+    rows = i64.shape[0] // 3
+    pad = num_seqs - len(b.seq_lens)
+    meta = AttentionMetadata(
+        cu_seqlens_q=i32[: num_seqs + 1],
+        seq_lens=i32[num_seqs + 1 : 2 * num_seqs + 1],
+        slot_mapping=i64[2 * rows :],
+        block_tables=i32[2 * num_seqs + 1 :].view(num_seqs, width),
+        query_lens_cpu=b.query_lens + [1] * pad,
+        seq_lens_cpu=b.seq_lens + [1] * pad,
+        max_seqlen_q=max(b.query_lens),
+        max_seqlen_k=max(b.seq_lens) if pad == 0 else width * block_size,
+        block_size=block_size,
+    )
+    return i64[:rows], i64[rows : 2 * rows], meta

@@ -1,0 +1,121 @@
+"""Start the real server once for the serving tests: serve_config.yaml's application on a free port.
+
+The application (import_path and args) is read from serve_config.yaml, so the tests run what
+`serve run serve_config.yaml` runs, with the few test settings in TEST_OVERRIDES merged into `args`.
+Ray is started in-process (small num_cpus, no dashboard) with a 1 s metrics report interval, so
+metric values reach Ray's metrics export port quickly.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import inspect
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+TEST_OVERRIDES = {
+    # The overload test opens this many streams and expects the next one to get 503; the Locust test
+    # runs 16 users (at most 16 open streams), safely below it.
+    "max_ongoing_requests": 20,
+    # `__fault:sample__` in a prompt then fails that request inside the engine (engine/faults.py).
+    "engine": {"fault_injection": True},
+}
+
+
+@dataclass
+class Server:
+    url: str  # http://127.0.0.1:PORT
+    model: str
+    metrics_url: str  # Ray's Prometheus endpoint of this node
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = copy.deepcopy(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _build(import_path: str, args: dict):
+    """What `serve run` does with import_path + args: validate args with the builder's pydantic type."""
+    module, _, attr = import_path.partition(":")
+    builder = getattr(importlib.import_module(module), attr)
+    (param,) = inspect.signature(builder).parameters.values()
+    return builder(param.annotation.model_validate(args))
+
+
+def start_server(model_dir: Path) -> Server:
+    import ray
+    from ray import serve
+
+    config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+    app = config["applications"][0]
+    args = _merge(app.get("args") or {}, {**TEST_OVERRIDES, "model": str(model_dir)})
+    context = ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}},  # replicas import app/ and engine/ from here
+        _system_config={"metrics_report_interval_ms": 1000},
+    )
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(_build(app["import_path"], args), name=app["name"], route_prefix=app.get("route_prefix", "/"))
+    url = f"http://127.0.0.1:{port}"
+    model = _wait_ready(url)
+    metrics_port = context.address_info["metrics_export_port"]
+    return Server(url=url, model=model, metrics_url=f"http://127.0.0.1:{metrics_port}/metrics")
+
+
+def _wait_ready(url: str, timeout_s: float = 60.0) -> str:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return httpx.get(f"{url}/v1/models", timeout=5).json()["data"][0]["id"]
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"server at {url} not healthy after {timeout_s} s")
+        time.sleep(0.5)
+
+
+def stop_server() -> None:
+    import ray
+    from ray import serve
+
+    serve.shutdown()
+    ray.shutdown()
+
+
+def wait_idle(url: str, timeout_s: float = 15.0) -> dict:
+    """Poll /v1/engine/stats until no stream is open, nothing runs or waits and no KV block is held."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = httpx.get(f"{url}/v1/engine/stats", timeout=5).json()
+        idle = (
+            stats["ongoing_requests"],
+            stats["num_running"],
+            stats["num_waiting"],
+            stats["kv_blocks_used"],
+        )
+        if idle == (0, 0, 0, 0) or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.2)

@@ -1,0 +1,60 @@
+"""The benchmark harness end to end on tiny checkpoints (CPU), and its workload / cost arithmetic.
+
+References: nano-vllm's published output-token total for its workload (133,966) and a direct draw with
+the `random` module; parameter counts from scripts.model_shapes (not from the checkpoint files the
+roofline reads); the engine's own ignore_eos contract (every request yields exactly max_tokens).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from benchmarks.common import Sizes, nanovllm_workload
+from benchmarks.roofline import model_cost
+from scripts.make_model import make_model
+from scripts.model_shapes import get_spec, param_count
+
+
+def test_nanovllm_workload_matches_its_published_total_and_a_direct_draw():
+    prompts, max_tokens = nanovllm_workload(Sizes(), vocab_size=151936)
+    assert sum(max_tokens) == 133_966
+    random.seed(0)  # nano-vllm's bench.py, verbatim in its order of draws
+    ref_prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, 1024))] for _ in range(256)]
+    ref_max = [random.randint(100, 1024) for _ in range(256)]
+    assert prompts == ref_prompts and max_tokens == ref_max
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-qwen3"])  # untied and tied lm_head
+def test_model_cost_counts_the_weights_a_decode_step_reads(tmp_path, name):
+    spec = get_spec(name)
+    cost = model_cost(make_model(name, tmp_path / name), dtype_bytes=2)
+    embed = spec.vocab_size * spec.hidden_size
+    assert cost.weight_bytes_total == 2 * param_count(spec)
+    # the input embedding is a row gather; only a tied lm_head reads that matrix in full
+    assert cost.step_weight_bytes == 2 * (param_count(spec) - (0 if spec.tie_word_embeddings else embed))
+    assert cost.kv_bytes_per_token == spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * 2
+
+
+@pytest.mark.slow
+def test_smoke_run_produces_every_figure(tmp_path):
+    from benchmarks.bench import main
+
+    out = tmp_path / "reports"
+    main(["--smoke", "--no-isolate", "--suite", "all", "--out", str(out), "--ckpt-dir", str(tmp_path / "ckpt")])
+    data = json.loads((out / "benchmark.json").read_text())
+    bad = {k: v.get("error") for k, v in data["jobs"].items() if v["status"] != "ok"}
+    assert not bad
+    got = {(r["figure"], r["system"], r["model"]) for r in data["rows"] if r["value"] > 0}
+    want = {("a", "engine", "llama-3.1-8b"), ("a", "engine", "llama-3.2-1b"), ("b", "engine", "llama-3.1-8b"),
+            ("c", "engine", "qwen3-0.6b"), ("c-subset", "engine", "qwen3-0.6b"),
+            ("a", "transformers", "llama-3.1-8b"), ("a", "transformers", "llama-3.2-1b"),
+            ("c-subset", "transformers", "qwen3-0.6b"), ("a", "engine, eager", "llama-3.1-8b")}  # fmt: skip
+    assert want <= got
+    c = data["jobs"]["engine-qwen3-0.6b"]["results"]["c"]["full"]
+    assert c["output_tokens"] == sum(nanovllm_workload(Sizes.smoke(), 2048)[1])  # ignore_eos: exact lengths
+    assert all(0 < r["roofline"] < float("inf") for r in data["rows"])  # the env job's ceilings reached them
+    md = (out / "benchmark.md").read_text()
+    assert "| a | engine | llama-3.1-8b |" in md and "Measured ceilings" in md

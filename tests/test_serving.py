@@ -1,0 +1,446 @@
+"""The real server (Ray Serve, serve_config.yaml, tiny model) through the official openai client and raw HTTP.
+
+One server for the whole module (Ray startup is the slow part). Greedy outputs are checked against the
+offline engine (`engine.LLM`) run in this process; streaming against non-streaming; SSE framing and
+error bodies byte by byte; disconnects against the engine's KV block count.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from engine.sampling_params import SamplingParams
+from tests.serving_fixtures import ROOT, Server, start_server, stop_server, wait_idle
+
+# Ray Serve's own pydantic models warn on import; not ours to fix.
+pytestmark = [pytest.mark.serving, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+PROMPT = "The quick brown fox jumps over the lazy dog"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir) -> Server:
+    srv = start_server(tiny_model_dir)
+    yield srv
+    stop_server()
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    """Greedy generations of the offline engine, the reference for the server's output."""
+    from engine import LLM
+
+    llm = LLM(str(tiny_model_dir))
+
+    def generate(prompt, max_tokens: int) -> str:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        return llm.generate(prompt, params)[0].outputs[0].text
+
+    return generate
+
+
+def _events(raw: bytes) -> list[str]:
+    """Split an SSE body into its events; each must be a single `data: ...` line."""
+    text = raw.decode()
+    assert text.endswith("\n\n"), f"stream does not end with a blank line: {text[-40:]!r}"
+    events = text[:-2].split("\n\n")
+    for event in events:
+        assert event.startswith("data: ") and "\n" not in event, f"bad SSE event {event!r}"
+    return [e[len("data: ") :] for e in events]
+
+
+def _post(server: Server, path: str, body: dict | bytes) -> httpx.Response:
+    kwargs = (
+        {"content": body, "headers": {"content-type": "application/json"}}
+        if isinstance(body, bytes)
+        else {"json": body}
+    )
+    return httpx.post(f"{server.url}{path}", timeout=60, **kwargs)
+
+
+def _assert_error(
+    resp: httpx.Response, status: int, param: str | None = None, code: str | None = None
+) -> dict:
+    assert resp.status_code == status, resp.text
+    assert resp.headers["content-type"].startswith("application/json")
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if param is not None:
+        assert error["param"] == param, error
+    if code is not None:
+        assert error["code"] == code, error
+    return error
+
+
+# ---------------------------------------------------------------- happy paths
+
+
+def test_health_and_models(server: Server, client: openai.OpenAI):
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+    models = client.models.list().data
+    assert [m.id for m in models] == [server.model] == ["tiny-llama"]
+
+
+def test_completions_match_offline_engine(server, client, reference):
+    expected = reference(PROMPT, 12)
+    full = client.completions.create(
+        model=server.model, prompt=PROMPT, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert full.choices[0].text == expected
+    assert full.choices[0].finish_reason == "length"
+    assert full.usage.completion_tokens == 12 and full.usage.prompt_tokens > 0
+
+    chunks = list(
+        client.completions.create(
+            model=server.model,
+            prompt=PROMPT,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
+    text_chunks, usage_chunk = chunks[:-1], chunks[-1]
+    assert "".join(c.choices[0].text for c in text_chunks) == expected
+    assert [c.choices[0].finish_reason for c in text_chunks][-1] == "length"
+    assert all(c.choices[0].finish_reason is None for c in text_chunks[:-1])
+    assert usage_chunk.choices == [] and usage_chunk.usage.completion_tokens == 12
+    assert usage_chunk.usage.prompt_tokens == full.usage.prompt_tokens
+
+
+def test_chat_matches_offline_engine(server, client, reference):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+    expected = reference(messages, 10)
+    full = client.chat.completions.create(
+        model=server.model,
+        messages=messages,
+        max_completion_tokens=10,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert full.choices[0].message.role == "assistant"
+    assert full.choices[0].message.content == expected
+    assert full.usage.completion_tokens == 10
+
+    stream = list(
+        client.chat.completions.create(
+            model=server.model,
+            messages=messages,
+            max_tokens=10,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    )
+    assert stream[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == expected
+    assert stream[-1].choices[0].finish_reason == "length"
+
+
+def test_raw_sse_framing(server):
+    body = {"model": server.model, "prompt": PROMPT, "max_tokens": 6, "stream": True, "ignore_eos": True}
+    resp = _post(server, "/v1/completions", body)
+    assert resp.status_code == 200
+    assert resp.headers["content-type"].startswith("text/event-stream")
+    events = _events(resp.content)
+    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert {c["object"] for c in chunks} == {"text_completion"} and len({c["id"] for c in chunks}) == 1
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_n_samples_and_prompt_lists(server, client):
+    out = client.completions.create(
+        model=server.model,
+        prompt=PROMPT,
+        n=2,
+        max_tokens=8,
+        temperature=1.0,
+        seed=3,
+        extra_body={"ignore_eos": True},
+    )
+    assert sorted(c.index for c in out.choices) == [0, 1]
+    assert out.usage.completion_tokens == 16
+    assert out.choices[0].text != out.choices[1].text  # two samples, not one copied
+
+    ids = [[5, 6, 7, 8], [9, 10, 11]]  # a list of token-id prompts: one choice per prompt and sample
+    out = client.completions.create(
+        model=server.model, prompt=ids, n=2, max_tokens=3, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert sorted(c.index for c in out.choices) == [0, 1, 2, 3]
+    assert out.usage.prompt_tokens == 7 and out.usage.completion_tokens == 12
+
+    stream = client.chat.completions.create(
+        model=server.model,
+        messages=[{"role": "user", "content": "hi"}],
+        n=2,
+        max_tokens=5,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    finished = {ch.index: ch.finish_reason for c in stream for ch in c.choices if ch.finish_reason}
+    assert finished == {0: "length", 1: "length"}
+
+
+def test_stop_string(server, client):
+    text = (
+        client.completions.create(
+            model=server.model, prompt=PROMPT, max_tokens=24, temperature=0, extra_body={"ignore_eos": True}
+        )
+        .choices[0]
+        .text
+    )
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    out = client.completions.create(
+        model=server.model,
+        prompt=PROMPT,
+        max_tokens=24,
+        temperature=0,
+        stop=[stop],
+        extra_body={"ignore_eos": True},
+    )
+    assert out.choices[0].text == text[: text.index(stop)]
+    assert out.choices[0].finish_reason == "stop"
+
+
+def test_seed_reproducibility(server, client):
+    def sample(seed: int) -> str:
+        return (
+            client.completions.create(
+                model=server.model,
+                prompt=PROMPT,
+                max_tokens=16,
+                temperature=1.0,
+                seed=seed,
+                extra_body={"ignore_eos": True},
+            )
+            .choices[0]
+            .text
+        )
+
+    assert sample(7) == sample(7)
+    assert sample(7) != sample(8)
+
+
+def test_logprobs_shapes(server, client):
+    out = client.completions.create(
+        model=server.model,
+        prompt=PROMPT,
+        max_tokens=4,
+        temperature=0,
+        logprobs=3,
+        extra_body={"ignore_eos": True},
+    )
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 4
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert chosen <= 0 and max(top.values()) == pytest.approx(chosen, abs=1e-5)  # greedy: chosen is best
+
+    chat = client.chat.completions.create(
+        model=server.model,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=3,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens and all(len(t.top_logprobs) == 2 for t in content)
+
+
+# ---------------------------------------------------------------- errors
+
+
+def test_error_malformed_json_and_unknown_fields(server):
+    _assert_error(
+        _post(server, "/v1/completions", b'{"model": "tiny-llama", "prompt": "Hel'), 400, code="invalid_json"
+    )
+    body = {"model": server.model, "prompt": "x", "max_tokens": 2, "temprature": 0.5}
+    assert (
+        "temprature"
+        in _assert_error(_post(server, "/v1/completions", body), 422, param="temprature")["message"]
+    )
+    body = {"model": server.model, "prompt": "x", "max_tokens": "many"}
+    _assert_error(_post(server, "/v1/completions", body), 422, param="max_tokens")
+    body = {"model": server.model, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}
+    _assert_error(_post(server, "/v1/chat/completions", body), 422, param="top_logprobs")
+    _assert_error(httpx.get(f"{server.url}/v1/nope"), 404)
+
+
+def test_error_invalid_value_unknown_model_and_long_prompt(server, client):
+    with pytest.raises(openai.UnprocessableEntityError) as err:
+        client.completions.create(model=server.model, prompt="x", temperature=-1)
+    assert err.value.body["param"] == "temperature"
+    with pytest.raises(openai.NotFoundError) as err:
+        client.completions.create(model="gpt-nope", prompt="x")
+    assert err.value.body["code"] == "model_not_found"
+
+    max_len = client.models.list().data[0].model_extra["max_model_len"]
+    for stream in (False, True):  # also a streaming request is refused before any stream byte
+        body = {"model": server.model, "prompt": [7] * max_len, "max_tokens": 4, "stream": stream}
+        _assert_error(_post(server, "/v1/completions", body), 400, code="context_length_exceeded")
+
+
+def test_failure_during_generation_ends_with_one_error_event(server):
+    body = {"model": server.model, "prompt": "__fault:sample__ go", "max_tokens": 8, "stream": True}
+    resp = _post(server, "/v1/completions", body)
+    assert resp.status_code == 200  # accepted: the failure happens inside the engine, after the headers
+    events = _events(resp.content)
+    assert "[DONE]" not in events
+    errors = [json.loads(e) for e in events if "error" in json.loads(e)]
+    assert len(errors) == 1 and events[-1] == json.dumps(errors[0], separators=(",", ":"))
+    assert errors[0]["error"]["type"] == "server_error"
+
+    resp = _post(server, "/v1/completions", {**body, "stream": False})
+    _assert_error(resp, 500, code="generation_error")
+    assert wait_idle(server.url)["kv_blocks_used"] == 0
+
+
+def test_overload_is_503_before_any_stream_byte(server):
+    limit = httpx.get(f"{server.url}/v1/engine/stats").json()["max_ongoing_requests"]
+    body = {"model": server.model, "prompt": PROMPT, "max_tokens": 2000, "ignore_eos": True, "stream": True}
+
+    async def scenario() -> httpx.Response:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+            streams = [http.stream("POST", "/v1/completions", json=body) for _ in range(limit)]
+            opened = await asyncio.gather(*(s.__aenter__() for s in streams))
+            try:
+                assert [r.status_code for r in opened] == [200] * limit
+                extra = await http.post("/v1/completions", json=body)
+                await extra.aread()
+                return extra
+            finally:
+                for s in streams:
+                    await s.__aexit__(None, None, None)
+
+    extra = asyncio.run(scenario())
+    error = _assert_error(extra, 503, code="queue_full")
+    assert extra.headers["retry-after"] == "1" and "max_ongoing_requests" in error["message"]
+    stats = wait_idle(server.url)
+    assert stats["kv_blocks_used"] == 0 and stats["ongoing_requests"] == 0
+
+
+def _read_then_disconnect(server: Server, events: int) -> None:
+    body = {
+        "model": server.model,
+        "prompt": PROMPT * 20,
+        "max_tokens": 3000,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with (
+        httpx.Client(timeout=60) as http,
+        http.stream("POST", f"{server.url}/v1/completions", json=body) as r,
+    ):
+        assert r.status_code == 200
+        data = (line for line in r.iter_lines() if line)
+        assert all(next(data).startswith("data: {") for _ in range(events))
+        # tokens arrived: the request holds KV blocks until the engine sees the abort
+        assert httpx.get(f"{server.url}/v1/engine/stats").json()["kv_blocks_used"] > 0
+
+
+def test_client_disconnect_frees_kv_blocks(server):
+    aborts_before = httpx.get(f"{server.url}/v1/engine/stats").json()["num_aborts"]
+    _read_then_disconnect(server, events=3)
+    stats = wait_idle(server.url)
+    assert stats["kv_blocks_used"] == 0 and stats["num_running"] == 0
+    assert stats["num_aborts"] == aborts_before + 1
+    assert httpx.get(f"{server.url}/v1/engine/audit").json() == {"problems": []}
+
+
+# ---------------------------------------------------------------- observability and load
+
+
+def test_metrics_at_ray_metrics_port(server):
+    # make every required series non-empty: a finished request, an engine error and an abort
+    _post(server, "/v1/completions", {"model": server.model, "prompt": "__fault:sample__", "max_tokens": 2})
+    _read_then_disconnect(server, events=1)
+    required = [
+        "ray_minserve_time_to_first_token_seconds_bucket",
+        "ray_minserve_inter_token_latency_seconds_bucket",
+        "ray_minserve_e2e_request_latency_seconds_bucket",
+        "ray_minserve_queue_time_seconds_bucket",
+        "ray_minserve_prompt_tokens_total",
+        "ray_minserve_generation_tokens_total",
+        "ray_minserve_aborts_total",
+        "ray_minserve_errors_total",
+        "ray_minserve_num_running",
+        "ray_minserve_num_waiting",
+        "ray_minserve_kv_blocks_used",
+        "ray_minserve_kv_blocks_total",
+        "ray_minserve_prefix_cache_hit_rate",
+    ]  # preemptions_total appears once a preemption happened (Ray exports no zero-valued counters)
+    deadline, missing = time.monotonic() + 30, required
+    while missing and time.monotonic() < deadline:
+        text = httpx.get(server.metrics_url, timeout=10).text
+        names = set(re.findall(r"^(ray_minserve_\w+)\{", text, re.M))
+        missing = [m for m in required if m not in names]
+        time.sleep(1)
+    assert not missing, f"not exported: {missing}"
+    tokens = re.search(
+        r'^ray_minserve_generation_tokens_total\{[^}]*model="tiny-llama"[^}]*\} (\S+)', text, re.M
+    )
+    assert tokens and float(tokens.group(1)) > 0
+
+
+@pytest.mark.slow
+def test_locust_headless_w2(server, tmp_path):
+    prefix = tmp_path / "w2"
+    env = {**os.environ, "MINSERVE_WORKLOAD": "W2", "MINSERVE_GEN_SCALE": "0.125"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "locust",
+        "-f",
+        "loadtests/",
+        "--host",
+        server.url,
+        "--headless",
+        "-u",
+        "16",
+        "-r",
+        "16",
+        "-t",
+        "30s",
+        "--csv",
+        str(prefix),
+        "--only-summary",
+    ]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = list(csv.DictReader(open(f"{prefix}_stats.csv")))
+    by_type = {r["Type"]: r for r in rows if r["Name"] == "W2 /v1/completions"}
+    assert {"POST", "TTFT", "ITL", "E2E"} <= set(by_type)
+    assert int(by_type["TTFT"]["Request Count"]) > 16 and int(by_type["ITL"]["Request Count"]) > 100
+    assert all(r["Failure Count"] == "0" for r in rows)
+
+
+def test_dead_engine_loop_fails_health_and_replica_is_replaced(server):
+    """Runs last: it kills the engine loop (fault "loop"); check_health makes Serve replace the replica."""
+    body = {"model": server.model, "prompt": "__fault:loop__", "max_tokens": 2}
+    _assert_error(_post(server, "/v1/completions", body), 500, code="generation_error")
+    health = httpx.get(f"{server.url}/health", timeout=60)
+    _assert_error(health, 503, code="engine_dead")
+    assert health.headers["retry-after"] == "1"
+    deadline = time.monotonic() + 120
+    while httpx.get(f"{server.url}/health", timeout=60).status_code != 200:
+        assert time.monotonic() < deadline, "the dead replica was not replaced"
+        time.sleep(1)
+    body = {"model": server.model, "prompt": PROMPT, "max_tokens": 3}
+    assert _post(server, "/v1/completions", body).json()["usage"]["completion_tokens"] == 3
