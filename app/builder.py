@@ -73,21 +73,24 @@ def build_app(args: AppArgs) -> Application:
         if args.autoscaling_config
         else {"num_replicas": args.num_replicas}
     )
+    name = args.served_model_name or os.path.basename(model.rstrip("/"))
     engine = EngineDeployment.options(
         ray_actor_options={"num_gpus": num_gpus, "num_cpus": args.engine_num_cpus},
         max_ongoing_requests=args.max_ongoing_requests + _CONTROL_HEADROOM,
         **scaling,
     ).bind(
-        model,
-        args.engine,
-        args.max_ongoing_requests,
-        args.stream_interval_ms,
-        args.retry_after_s,
-        args.stats_interval_s,
+        model=model,
+        engine_options=args.engine,
+        served_model_name=name,
+        max_ongoing_requests=args.max_ongoing_requests,
+        stream_interval_ms=args.stream_interval_ms,
+        retry_after_s=args.retry_after_s,
+        stats_interval_s=args.stats_interval_s,
     )
-    name = args.served_model_name or os.path.basename(model.rstrip("/"))
     return Ingress.options(
         num_replicas=args.ingress_num_replicas,
         max_ongoing_requests=args.ingress_max_ongoing_requests,
         ray_actor_options={"num_cpus": args.ingress_num_cpus},
-    ).bind(engine, name, args.default_max_tokens, args.retry_after_s)
+    ).bind(
+        engine, model_name=name, default_max_tokens=args.default_max_tokens, retry_after_s=args.retry_after_s
+    )

@@ -35,37 +35,37 @@ from engine.sampling_params import SamplingParams
 logger = logging.getLogger("ray.serve")
 
 
+def _empty_sample(index: int) -> dict:
+    return {
+        "index": index,
+        "text": "",
+        "token_ids": [],
+        "logprobs": None,
+        "finish_reason": None,
+        "error": None,
+    }
+
+
 def to_wire(outs: list[RequestOutput], token_text: Callable[[int], str]) -> dict:
     """Merge consecutive outputs of one request (deltas, in order) into one item.
 
     Per sample index: text and token ids concatenate; finish_reason/error come from the delta that set
     them. Usage counts are cumulative in the engine, so the last output's values are the current ones.
+    Logprobs carry token strings (the ingress has no tokenizer): {"token", "logprob", "top": [(str, lp)]}.
     """
     samples: dict[int, dict] = {}
     for out in outs:
         for d in out.outputs:
-            s = samples.setdefault(
-                d.index,
-                {
-                    "index": d.index,
-                    "text": "",
-                    "token_ids": [],
-                    "logprobs": None,
-                    "finish_reason": None,
-                    "error": None,
-                },
-            )
+            s = samples.setdefault(d.index, _empty_sample(d.index))
             s["text"] += d.text
             s["token_ids"].extend(d.token_ids)
             if d.logprobs:
-                s["logprobs"] = (s["logprobs"] or []) + [
-                    {
-                        "token": token_text(lp.token_id),
-                        "logprob": lp.logprob,
-                        "top": [(token_text(t), v) for t, v in lp.top],
-                    }
+                entries = [
+                    {"token": token_text(lp.token_id), "logprob": lp.logprob,
+                     "top": [(token_text(t), v) for t, v in lp.top]}
                     for lp in d.logprobs
-                ]
+                ]  # fmt: skip
+                s["logprobs"] = (s["logprobs"] or []) + entries
             if d.finish_reason is not None:
                 s["finish_reason"], s["error"] = d.finish_reason, d.error
     last = outs[-1]
@@ -85,6 +85,7 @@ class EngineDeployment:
         self,
         model: str,
         engine_options: dict,
+        served_model_name: str | None = None,
         max_ongoing_requests: int = 256,
         stream_interval_ms: float = 0.0,
         retry_after_s: int = 1,
@@ -97,7 +98,8 @@ class EngineDeployment:
         self._interval_s = stream_interval_ms / 1000.0
         self._retry_after = retry_after_s
         self._ongoing = 0  # streams between accept and finish; only touched on the event loop
-        self._metrics = ServerMetrics(self.engine.model_name)
+        self._name = served_model_name or self.engine.model_name
+        self._metrics = ServerMetrics(self._name)
         self._stop = threading.Event()
         self._poller = threading.Thread(
             target=self._poll_stats, args=(stats_interval_s,), daemon=True, name="minserve-stats"
@@ -107,30 +109,10 @@ class EngineDeployment:
     async def generate(
         self, prompt: str | list[int] | list[dict], params: SamplingParams, request_id: str | None = None
     ) -> AsyncIterator[dict | ApiError]:
-        if self._ongoing >= self._limit:
-            yield overloaded(
-                f"server busy: {self._ongoing} requests in flight on this replica "
-                f"(max_ongoing_requests={self._limit}); retry later",
-                self._retry_after,
-            )
-            return
-        loop = asyncio.get_running_loop()
         queue: asyncio.Queue[tuple[float, RequestOutput]] = asyncio.Queue()
-
-        def on_output(out: RequestOutput) -> None:  # engine thread
-            try:
-                loop.call_soon_threadsafe(queue.put_nowait, (time.perf_counter(), out))
-            except RuntimeError:  # the replica's loop is closed: nobody is listening any more
-                pass
-
-        try:
-            rid = self.engine.submit(prompt, params, on_output, request_id=request_id)
-        except EngineError as exc:
-            yield from_engine_error(exc, self._retry_after)
-            return
-        except Exception as exc:  # a bug, not the client's fault: say so instead of hanging the request
-            logger.exception("submit failed")
-            yield internal(f"engine rejected the request: {type(exc).__name__}: {exc}")
+        rid = self._submit(prompt, params, request_id, queue)
+        if isinstance(rid, ApiError):
+            yield rid
             return
         self._ongoing += 1
         finished = False
@@ -143,6 +125,32 @@ class EngineDeployment:
             self._ongoing -= 1
             if not finished:  # cancelled by the caller (client disconnect) or failed mid-way
                 self.engine.abort(rid)
+
+    def _submit(
+        self, prompt, params: SamplingParams, request_id: str | None, queue: asyncio.Queue
+    ) -> str | ApiError:
+        """Admission check, then hand the request to the engine; its outputs will land in `queue`."""
+        if self._ongoing >= self._limit:
+            message = (
+                f"server busy: {self._ongoing} requests in flight on this replica "
+                f"(max_ongoing_requests={self._limit}); retry later"
+            )
+            return overloaded(message, self._retry_after)
+        loop = asyncio.get_running_loop()
+
+        def on_output(out: RequestOutput) -> None:  # engine thread
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, (time.perf_counter(), out))
+            except RuntimeError:  # the replica's loop is closed: nobody is listening any more
+                pass
+
+        try:
+            return self.engine.submit(prompt, params, on_output, request_id=request_id)
+        except EngineError as exc:
+            return from_engine_error(exc, self._retry_after)
+        except Exception as exc:  # a bug, not the client's fault: say so instead of hanging the request
+            logger.exception("submit failed")
+            return internal(f"engine rejected the request: {type(exc).__name__}: {exc}")
 
     async def _coalesce(self, queue: asyncio.Queue) -> AsyncIterator[dict]:
         """Yield the first output at once, then merge what arrives within the stream interval."""
@@ -188,7 +196,7 @@ class EngineDeployment:
 
     def info(self) -> dict:
         return {
-            "model": self.engine.model_name,
+            "model": self._name,
             "max_model_len": self.engine.max_model_len,
             "vocab_size": self.engine.tokenizer.vocab_size,
         }

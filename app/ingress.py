@@ -10,7 +10,6 @@ No `from __future__ import annotations` here: FastAPI must see the route paramet
 mistaken for a query parameter).
 """
 
-import asyncio
 import logging
 import time
 import uuid
@@ -20,15 +19,15 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
-from ray.exceptions import RayActorError
-from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
-from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from app.errors import ApiError, from_engine_error, internal, overloaded
+from app.engine_client import EngineClient, EngineStream, call_failure, cancel_all, merge
+from app.errors import ApiError, from_engine_error, internal
 from app.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from app.sse import DONE, ResponseAssembler, item_error, sse_error
 from engine.errors import InvalidRequestError
+from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("ray.serve")
 api = FastAPI(title="minserve", description="OpenAI-compatible completions on a paged-KV engine.")
@@ -76,34 +75,6 @@ async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     return internal(f"internal error: {type(exc).__name__}").response()
 
 
-def _handle_failure(exc: BaseException, retry_after: int) -> ApiError:
-    """A failed call to the engine deployment (not an error the engine reported)."""
-    if isinstance(exc, BackPressureError):
-        return overloaded(f"server busy: {exc}", retry_after)
-    if isinstance(exc, (DeploymentUnavailableError, RayActorError)):
-        return ApiError(
-            503,
-            f"engine unavailable: {type(exc).__name__}",
-            "server_error",
-            code="engine_unavailable",
-            retry_after=retry_after,
-        )
-    logger.error("engine call failed: %r", exc)
-    return internal(f"engine call failed: {type(exc).__name__}: {exc}")
-
-
-class _Stream:
-    """One engine request's item stream, tagged with its prompt index."""
-
-    def __init__(self, index: int, gen: DeploymentResponseGenerator):
-        self.index, self.gen, self.done = index, gen, False
-
-    def cancel(self) -> None:
-        if not self.done:
-            self.done = True
-            self.gen.cancel()
-
-
 @serve.deployment(name="Ingress")
 @serve.ingress(api)
 class Ingress:
@@ -111,7 +82,7 @@ class Ingress:
         self, engine: DeploymentHandle, model_name: str, default_max_tokens: int = 256, retry_after_s: int = 1
     ):
         self._engine = engine
-        self._stream = engine.options(stream=True)  # built once: options() per request is not free
+        self._client = EngineClient(engine, retry_after_s)
         self._model = model_name
         self._default_max_tokens = default_max_tokens
         self._retry_after = retry_after_s
@@ -124,7 +95,7 @@ class Ingress:
         try:
             alive = await self._engine.is_alive.remote()
         except Exception as exc:
-            return _handle_failure(exc, self._retry_after).response()
+            return call_failure(exc, self._retry_after).response()
         if not alive:
             return ApiError(
                 503, "engine loop is dead", "server_error", code="engine_dead", retry_after=self._retry_after
@@ -186,9 +157,9 @@ class Ingress:
         ).response()
 
     async def _respond(
-        self, prompts: list, params, out: ResponseAssembler, stream: bool, include_usage: bool
+        self, prompts: list, params: SamplingParams, out: ResponseAssembler, stream: bool, include_usage: bool
     ) -> Response:
-        streams = await self._open(prompts, params, out.id)
+        streams = await self._client.open(prompts, params, out.id)
         if isinstance(streams, ApiError):
             return streams.response()
         if stream:
@@ -198,96 +169,22 @@ class Ingress:
                 headers={"Cache-Control": "no-cache"},
             )
         try:
-            async for index, item in self._merge(streams):
+            async for index, item in merge(streams):
                 err = item if isinstance(item, ApiError) else item_error(item)
                 if err is not None:
                     return err.response()
                 out.add(index, item)
             return JSONResponse(out.final())
         finally:
-            for s in streams:
-                s.cancel()
-
-    async def _open(self, prompts: list, params, request_id: str) -> list[_Stream] | ApiError:
-        """Start one engine request per prompt and wait until each is accepted (or refused)."""
-        streams = [
-            _Stream(i, self._stream.generate.remote(p, params, f"{request_id}-{i}"))
-            for i, p in enumerate(prompts)
-        ]
-        try:
-            firsts = await asyncio.gather(*(self._first(s) for s in streams))
-        except BaseException:  # cancelled (client gone) while waiting: release the engine requests
-            for s in streams:
-                s.cancel()
-            raise
-        errors = [f for f in firsts if isinstance(f, ApiError)]
-        if errors:
-            for s in streams:
-                s.cancel()
-            return errors[0]
-        return streams
-
-    async def _first(self, s: _Stream) -> dict | ApiError:
-        try:
-            item = await s.gen.__anext__()
-        except StopAsyncIteration:
-            s.done = True
-            return internal("engine stream ended before accepting the request")
-        except Exception as exc:
-            s.done = True
-            return _handle_failure(exc, self._retry_after)
-        if isinstance(item, ApiError):
-            s.done = True  # the engine side has already returned
-        return item
-
-    async def _merge(self, streams: list[_Stream]) -> AsyncIterator[tuple[int, dict | ApiError]]:
-        """Items of all streams as they come; a failed call becomes an ApiError item."""
-        if len(streams) == 1:
-            async for pair in self._pump(streams[0]):
-                yield pair
-            return
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def forward(s: _Stream) -> None:
-            async for pair in self._pump(s):
-                await queue.put(pair)
-            await queue.put(None)
-
-        tasks = [asyncio.create_task(forward(s)) for s in streams]
-        try:
-            remaining = len(streams)
-            while remaining:
-                pair = await queue.get()
-                if pair is None:
-                    remaining -= 1
-                else:
-                    yield pair
-        finally:
-            for t in tasks:
-                t.cancel()
-
-    async def _pump(self, s: _Stream) -> AsyncIterator[tuple[int, dict | ApiError]]:
-        while not s.done:
-            try:
-                item = await s.gen.__anext__()
-            except StopAsyncIteration:
-                s.done = True
-                yield s.index, internal("engine stream ended without a final output")
-                return
-            except Exception as exc:
-                s.done = True
-                yield s.index, _handle_failure(exc, self._retry_after)
-                return
-            s.done = isinstance(item, ApiError) or item["finished"]
-            yield s.index, item
+            cancel_all(streams)
 
     async def _sse(
-        self, streams: list[_Stream], out: ResponseAssembler, include_usage: bool
+        self, streams: list[EngineStream], out: ResponseAssembler, include_usage: bool
     ) -> AsyncIterator[str]:
         try:
             if out.chat:
                 yield out.role_chunk()
-            async for index, item in self._merge(streams):
+            async for index, item in merge(streams):
                 err = item if isinstance(item, ApiError) else item_error(item)
                 if err is not None:
                     yield sse_error(err)
@@ -298,6 +195,8 @@ class Ingress:
             if include_usage:
                 yield out.usage_chunk()
             yield DONE
+        except Exception as exc:  # a bug here must still end the stream with its one terminal event
+            logger.exception("stream failed")
+            yield sse_error(internal(f"stream failed: {type(exc).__name__}"))
         finally:
-            for s in streams:
-                s.cancel()
+            cancel_all(streams)

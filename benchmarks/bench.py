@@ -3,10 +3,11 @@
     python -m benchmarks.bench --suite all --out benchmarks/reports          # GPU host (see run_gpu.sh)
     python -m benchmarks.bench --smoke --suite all --out /tmp/bench-smoke    # CPU check, tiny models
 
-Suites (comma-separated, or `all`): a (batch-1 decode, Llama-3.1-8B and Llama-3.2-1B shapes), b (batch-64 decode at 1k context, 8B),
-c (nano-vllm offline workload, Qwen3-0.6B), hf-a / hf-c (transformers on a / c), eager (a with
-CUDA graphs off). The env job (hardware, versions, measured copy bandwidth and matmul rate, from
-which the rooflines are computed) always runs first. Random-weight checkpoints are written once into --ckpt-dir and reused.
+Suites (comma-separated, or `all`): a (batch-1 decode, Llama-3.1-8B and Llama-3.2-1B shapes),
+b (batch-64 decode at 1k context, 8B), c (nano-vllm offline workload, Qwen3-0.6B), hf-a / hf-c
+(transformers on a / c), eager (a with CUDA graphs off). The env job (hardware, versions, measured
+copy bandwidth and matmul rate, from which the rooflines are computed) always runs first.
+Random-weight checkpoints are written once into --ckpt-dir and reused.
 
 Every job runs in its own Python process (so GPU memory is whole again for the next, and a crash or
 a hang costs one figure, not the run) under a deadline: the job's cap, cut to what is left of
@@ -110,8 +111,13 @@ def make_checkpoint(logical: str, path: Path, smoke: bool) -> dict:
 
     name = model_name(logical, smoke)
     spec = get_spec(name)
-    want = {"hidden_size": spec.hidden_size, "num_hidden_layers": spec.num_layers, "vocab_size": spec.vocab_size,
-            "intermediate_size": spec.intermediate_size, "num_key_value_heads": spec.num_kv_heads}
+    want = {
+        "hidden_size": spec.hidden_size,
+        "num_hidden_layers": spec.num_layers,
+        "vocab_size": spec.vocab_size,
+        "intermediate_size": spec.intermediate_size,
+        "num_key_value_heads": spec.num_kv_heads,
+    }
     cfg_file = path / "config.json"  # make_model writes it last: its presence marks a complete checkpoint
     if cfg_file.exists():
         have = json.loads(cfg_file.read_text())
@@ -139,11 +145,25 @@ def job_main(args) -> None:
 
 
 # ----------------------------------------------------------------------------------------- the run
+def _die_with_parent() -> None:
+    """In the child: get SIGKILL when the parent dies (Linux), so a killed run leaves no GPU job behind."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
 def _spawn(job: Job, argv: list[str], timeout: float) -> int | None:
     """Run the job in a child process group; on timeout stop that group. Returns the exit code or None."""
     cmd = [sys.executable, "-m", "benchmarks.bench", *argv, "--job", json.dumps(asdict(job))]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True)  # same cwd: relative paths agree
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    # same cwd, so relative paths agree; a session of its own, so a deadline can stop the whole job
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)
     try:
         return proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -156,6 +176,30 @@ def _spawn(job: Job, argv: list[str], timeout: float) -> int | None:
         return None
 
 
+def run_one(job: Job, args, argv: list[str], out: Path, left: float) -> None:
+    """Run one job under min(its cap, the budget left) and make sure its part file says how it went."""
+    part = out / "parts" / f"{job.name}.json"
+    if left < 20:
+        write_json(part, {"job": job.name, "kind": job.kind, "model": job.model, "figures": job.figures,
+                          "status": "skipped", "error": "time budget spent"})  # fmt: skip
+        return
+    print(
+        f"\n=== {job.name} (deadline {min(job.cap_s, left):.0f} s, {left:.0f} s of budget left)", flush=True
+    )
+    t0 = time.time()
+    if args.no_isolate:
+        job_main(argparse.Namespace(**{**vars(args), "job": json.dumps(asdict(job))}))
+        rc = 0
+    else:
+        rc = _spawn(job, argv, min(job.cap_s, left))
+    if rc is None or not part.exists():  # killed at its deadline, or died without a word
+        write_json(part, {"job": job.name, "kind": job.kind, "model": job.model, "figures": job.figures,
+                          "status": "timeout" if rc is None else "error",
+                          "error": "deadline reached" if rc is None else f"exit code {rc}",
+                          "elapsed_s": time.time() - t0})  # fmt: skip
+    print(f"=== {job.name}: {json.loads(part.read_text())['status']} in {time.time() - t0:.0f} s", flush=True)
+
+
 def run_all(args, argv: list[str]) -> None:
     from benchmarks import report
 
@@ -165,30 +209,13 @@ def run_all(args, argv: list[str]) -> None:
     start = time.time()
     meta = {"command": "python -m benchmarks.bench " + shlex.join(argv), "argv": argv, "smoke": args.smoke,
             "suites": sorted(suites), "budget_s": args.budget_s, "sizes": args.sizes.as_dict(),
-            "ckpt_dir": str(args.ckpt_dir), "git": git_commit(ROOT), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "plan": [j.name for j in jobs]}  # fmt: skip
+            "ckpt_dir": str(args.ckpt_dir), "git": git_commit(ROOT), "plan": [j.name for j in jobs],
+            "started": time.strftime("%Y-%m-%d %H:%M:%S")}  # fmt: skip
     for stale in (out / "parts").glob("*.json"):
         stale.unlink()  # a report must never mix two runs
     write_json(out / "parts" / "_meta.json", meta)
     for job in jobs:
-        left = args.budget_s - (time.time() - start)
-        part = out / "parts" / f"{job.name}.json"
-        if left < 20:
-            write_json(part, {"job": job.name, "kind": job.kind, "status": "skipped", "error": "time budget spent"})
-            continue
-        print(f"\n=== {job.name} (deadline {min(job.cap_s, left):.0f} s, {left:.0f} s of budget left)", flush=True)
-        t0 = time.time()
-        if args.no_isolate:
-            job_main(argparse.Namespace(**{**vars(args), "job": json.dumps(asdict(job))}))
-            rc = 0
-        else:
-            rc = _spawn(job, argv, min(job.cap_s, left))
-        if rc is None or not part.exists():  # killed at its deadline, or died without a word
-            write_json(part, {"job": job.name, "kind": job.kind, "model": job.model, "figures": job.figures,
-                              "status": "timeout" if rc is None else "error",
-                              "error": "deadline reached" if rc is None else f"exit code {rc}",
-                              "elapsed_s": time.time() - t0})  # fmt: skip
-        print(f"=== {job.name}: {json.loads(part.read_text())['status']} in {time.time() - t0:.0f} s", flush=True)
+        run_one(job, args, argv, out, args.budget_s - (time.time() - start))
     meta["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     meta["wall_s"] = time.time() - start
     write_json(out / "parts" / "_meta.json", meta)
@@ -201,7 +228,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--out", default="benchmarks/reports", help="report directory")
     p.add_argument("--smoke", action="store_true", help="tiny models and workloads (runs on a CPU)")
     p.add_argument("--ckpt-dir", default=None, help="checkpoints (default /tmp/minserve_bench[_smoke])")
-    p.add_argument("--budget-s", type=float, default=660.0, help="wall-time budget for all jobs")
+    p.add_argument("--budget-s", type=float, default=540.0, help="wall-time budget for all jobs")
     p.add_argument("--enforce-eager", action="store_true", help="engine without CUDA graphs in every job")
     p.add_argument("--no-isolate", action="store_true", help="run jobs in this process (tests)")
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)

@@ -41,8 +41,19 @@ class Sizes:
 
     @staticmethod
     def smoke() -> Sizes:
-        return Sizes(a_prompt=16, a_gen=12, a_reps=2, b_batch=4, b_prompt=40, b_gen=8, b_reps=1,
-                     c_requests=6, c_min_len=8, c_max_len=40, hf_c_requests=3)
+        return Sizes(
+            a_prompt=16,
+            a_gen=12,
+            a_reps=2,
+            b_batch=4,
+            b_prompt=40,
+            b_gen=8,
+            b_reps=1,
+            c_requests=6,
+            c_min_len=8,
+            c_max_len=40,
+            hf_c_requests=3,
+        )
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -98,10 +109,17 @@ def environment() -> dict:
     hw: dict = {"cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count()}
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)
-        hw.update(gpu=p.name, sm_count=p.multi_processor_count, gpu_memory_GiB=round(p.total_memory / 2**30, 1),
-                  compute_capability=f"{p.major}.{p.minor}", gpu_count=torch.cuda.device_count())
+        hw.update(
+            gpu=p.name,
+            sm_count=p.multi_processor_count,
+            gpu_memory_GiB=round(p.total_memory / 2**30, 1),
+            compute_capability=f"{p.major}.{p.minor}",
+            gpu_count=torch.cuda.device_count(),
+        )
         smi = ["nvidia-smi", "--query-gpu=driver_version,clocks.max.sm,power.limit", "--format=csv,noheader"]
-        hw["nvidia_smi"] = _try(lambda: subprocess.run(smi, capture_output=True, text=True, timeout=20).stdout.strip())
+        hw["nvidia_smi"] = _try(
+            lambda: subprocess.run(smi, capture_output=True, text=True, timeout=20).stdout.strip()
+        )
     else:
         hw["gpu"] = None
     versions = {
@@ -116,12 +134,22 @@ def environment() -> dict:
 
 
 def git_commit(root: Path) -> str | None:
-    out = _try(lambda: subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
-                                      text=True, timeout=10))
+    out = _try(
+        lambda: subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10
+        )
+    )
     if out is None or out.returncode:
         return None
-    dirty = _try(lambda: subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                                        capture_output=True, text=True, timeout=10).stdout.strip())
+    dirty = _try(
+        lambda: subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+    )
     return out.stdout.strip() + ("+dirty" if dirty else "")
 
 

@@ -76,8 +76,9 @@ def _decode_run(engine, prompts, gen: int) -> dict:
     return {"tok_s": len(prompts) * len(dec) / sum(secs), "step_s": secs}
 
 
-def decode_figure(llm, cost: ModelCost, device: dict, batch: int, prompt: int, gen: int, reps: int,
-                  seed: int) -> dict:
+def decode_figure(
+    llm, cost: ModelCost, device: dict, batch: int, prompt: int, gen: int, reps: int, seed: int
+) -> dict:
     """Batch-`batch` greedy decode after `prompt`-token prompts; median over `reps` timed runs."""
     rng = random.Random(seed)
     vocab = llm.engine.runner.model_config.vocab_size
@@ -91,7 +92,8 @@ def decode_figure(llm, cost: ModelCost, device: dict, batch: int, prompt: int, g
     return {
         "batch": batch, "prompt_tokens": prompt, "gen_tokens": gen, "reps": reps,
         "tok_s": tok_s, "tok_s_runs": [r["tok_s"] for r in runs],
-        "step_ms_p50": 1e3 * statistics.median(steps), "step_ms_p90": 1e3 * steps[int(0.9 * (len(steps) - 1))],
+        "step_ms_p50": 1e3 * statistics.median(steps),
+        "step_ms_p90": 1e3 * steps[int(0.9 * (len(steps) - 1))],
         "decode_steps_timed": len(steps),
         # weights a step reads / step time: how close the step gets to streaming the weights once
         "weight_GBps": cost.step_weight_bytes * tok_s / batch / 1e9,
@@ -126,8 +128,14 @@ def offline_figure(llm, cost: ModelCost, device: dict, s: Sizes) -> dict:
     subset = _offline_run(llm, prompts[:k], max_tokens[:k], s.c_temperature)
     roof = offline_roofline(cost, [len(p) for p in prompts], max_tokens, device)
     sub_roof = offline_roofline(cost, [len(p) for p in prompts[:k]], max_tokens[:k], device)
-    full.update(temperature=s.c_temperature, roofline=roof, pct_of_roofline=100 * full["tok_s"] / roof["tok_s"])
-    subset.update(temperature=s.c_temperature, roofline=sub_roof, pct_of_roofline=100 * subset["tok_s"] / sub_roof["tok_s"])
+    full.update(
+        temperature=s.c_temperature, roofline=roof, pct_of_roofline=100 * full["tok_s"] / roof["tok_s"]
+    )
+    subset.update(
+        temperature=s.c_temperature,
+        roofline=sub_roof,
+        pct_of_roofline=100 * subset["tok_s"] / sub_roof["tok_s"],
+    )
     return {"full": full, "subset": subset}
 
 
@@ -144,6 +152,7 @@ def engine_options(args, figures: list[str], eager: bool) -> dict:
     if torch.cuda.is_available():
         opts["gpu_memory_utilization"] = args.gpu_memory_utilization
     if "c" in figures:
+        opts["max_waiting"] = max(1024, args.sizes.c_requests)  # every request is queued at once
         # random prompts share no prefix; off, so that the subset rerun cannot reuse the full run's KV
         opts["enable_prefix_caching"] = False
     return opts

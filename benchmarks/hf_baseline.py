@@ -61,13 +61,17 @@ def _generate_once(model, prompt: list[int], gen: int, device: str) -> list[floa
     stamps = _Stamps(sync)
     ids = torch.tensor([prompt], device=device)
     with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config, streamer=stamps)
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), generation_config=config, streamer=stamps
+        )
     if out.shape[1] - len(prompt) != gen:
         raise RuntimeError(f"transformers generated {out.shape[1] - len(prompt)} tokens, expected {gen}")
     return stamps.times[1:]  # one stamp per generated token
 
 
-def hf_decode_figure(model, cost: ModelCost, device_caps: dict, s: Sizes, device: str, seed: int = 10) -> dict:
+def hf_decode_figure(
+    model, cost: ModelCost, device_caps: dict, s: Sizes, device: str, seed: int = 10
+) -> dict:
     rng = random.Random(seed)
     vocab = model.config.vocab_size
     _generate_once(model, random_prompts(rng, 1, s.a_prompt, vocab)[0], min(s.a_gen, 16), device)  # warm-up
@@ -82,7 +86,8 @@ def hf_decode_figure(model, cost: ModelCost, device_caps: dict, s: Sizes, device
     return {
         "batch": 1, "prompt_tokens": s.a_prompt, "gen_tokens": s.a_gen, "reps": s.a_reps,
         "tok_s": tok_s, "tok_s_runs": [r["tok_s"] for r in runs],
-        "step_ms_p50": 1e3 * statistics.median(steps), "step_ms_p90": 1e3 * steps[int(0.9 * (len(steps) - 1))],
+        "step_ms_p50": 1e3 * statistics.median(steps),
+        "step_ms_p90": 1e3 * steps[int(0.9 * (len(steps) - 1))],
         "weight_GBps": cost.step_weight_bytes * tok_s / 1e9,
         "roofline": roof, "pct_of_roofline": 100 * tok_s / roof["tok_s"],
         "method": "generate, static cache, greedy, no torch.compile, sdpa",
@@ -113,6 +118,24 @@ def _cpu_cb_config(model):
     return ContinuousBatchingConfig(num_blocks=32, max_batch_tokens=512)
 
 
+def _collect(manager, k: int) -> dict[str, int]:
+    """Wait for k finished requests; request id -> generated tokens."""
+    done: dict[str, int] = {}
+    with tqdm(total=k, desc="transformers continuous batching") as bar:
+        while len(done) < k:
+            result = manager.get_result(timeout=1)
+            if result is None:
+                if not manager.is_running():
+                    raise RuntimeError(f"transformers' generation thread stopped after {len(done)} of {k}")
+                continue
+            if result.is_finished():
+                if result.error:
+                    raise RuntimeError(f"transformers request {result.request_id} failed: {result.error}")
+                done[result.request_id] = len(result.generated_tokens)
+                bar.update()
+    return done
+
+
 def hf_offline_figure(model, cost: ModelCost, device_caps: dict, s: Sizes) -> dict:
     from transformers import GenerationConfig
 
@@ -120,36 +143,39 @@ def hf_offline_figure(model, cost: ModelCost, device_caps: dict, s: Sizes) -> di
     k = min(s.hf_c_requests, len(prompts))
     prompts, max_tokens = prompts[:k], max_tokens[:k]
     sample = s.c_temperature > 0
-    config = GenerationConfig(max_new_tokens=max(max_tokens), do_sample=sample, eos_token_id=-1, pad_token_id=0,
-                              **({"temperature": s.c_temperature, "top_k": 0, "top_p": 1.0} if sample else {}))
+    config = GenerationConfig(
+        max_new_tokens=max(max_tokens),
+        do_sample=sample,
+        eos_token_id=-1,
+        pad_token_id=0,
+        **({"temperature": s.c_temperature, "top_k": 0, "top_p": 1.0} if sample else {}),
+    )
     cm = _call_with_supported(model.continuous_batching_context_manager, generation_config=config, block=True,
                               timeout=30, warmup=True, workload_hints=_cb_hints(prompts, max_tokens),
                               continuous_batching_config=_cpu_cb_config(model))  # fmt: skip
-    done: dict[str, int] = {}
     with cm as manager:  # not under inference_mode: the manager's thread updates tensors made here in place
         t0 = time.perf_counter()
         for i, (p, m) in enumerate(zip(prompts, max_tokens)):
-            _call_with_supported(manager.add_request, input_ids=p, request_id=f"r{i}", max_new_tokens=m,
-                                 eos_token_id=-1)
-        with tqdm(total=k, desc="transformers continuous batching") as bar:
-            while len(done) < k:
-                result = manager.get_result(timeout=1)
-                if result is None:
-                    if not manager.is_running():
-                        raise RuntimeError(f"transformers' generation thread stopped after {len(done)} of {k}")
-                    continue
-                if result.is_finished():
-                    if result.error:
-                        raise RuntimeError(f"transformers request {result.request_id} failed: {result.error}")
-                    done[result.request_id] = len(result.generated_tokens)
-                    bar.update()
+            _call_with_supported(
+                manager.add_request, input_ids=p, request_id=f"r{i}", max_new_tokens=m, eos_token_id=-1
+            )
+        done = _collect(manager, k)
         wall = time.perf_counter() - t0
+        attn = getattr(model.config, "_attn_implementation", None)  # CB may switch to flash attention
     out = sum(done.values())
     roof = offline_roofline(cost, [len(p) for p in prompts], max_tokens, device_caps)
-    result = {"requests": k, "prompt_tokens": sum(map(len, prompts)), "output_tokens": out, "wall_s": wall,
-              "tok_s": out / wall, "temperature": s.c_temperature, "roofline": roof,
-              "pct_of_roofline": 100 * out / wall / roof["tok_s"],
-              "method": "ContinuousBatchingManager (generate_batch's engine), per-request max_new_tokens"}
+    result = {
+        "requests": k,
+        "prompt_tokens": sum(map(len, prompts)),
+        "output_tokens": out,
+        "wall_s": wall,
+        "tok_s": out / wall,
+        "temperature": s.c_temperature,
+        "roofline": roof,
+        "pct_of_roofline": 100 * out / wall / roof["tok_s"],
+        "method": "ContinuousBatchingManager (generate_batch's engine), per-request max_new_tokens",
+        "attn_implementation": attn,
+    }
     if out != sum(max_tokens):  # another transformers version may ignore a per-request limit or EOS=-1
         result["warning"] = f"transformers produced {out} tokens, the workload asks for {sum(max_tokens)}"
     return result

@@ -25,9 +25,15 @@ def _row(fig, system, model, metric, value, roof=NAN, pct=NAN, note=""):
             "roofline": roof, "pct_of_roofline": pct, "note": note}  # fmt: skip
 
 
+def _measured(fig: str, system: str, model: str, metric: str, d: dict, note: str) -> dict:
+    return _row(fig, system, model, metric, d["tok_s"], d["roofline"]["tok_s"], d["pct_of_roofline"], note)
+
+
 def _decode_note(d: dict) -> str:
-    return (f"step p50 {d['step_ms_p50']:.2f} ms, p90 {d['step_ms_p90']:.2f} ms; weights read "
-            f"{d['weight_GBps']:.4g} GB/s ({d['roofline']['bound']}-bound roofline)")
+    return (
+        f"step p50 {d['step_ms_p50']:.2f} ms, p90 {d['step_ms_p90']:.2f} ms; weights read "
+        f"{d['weight_GBps']:.4g} GB/s ({d['roofline']['bound']}-bound roofline)"
+    )
 
 
 def rows_for(part: dict) -> list[dict]:
@@ -38,21 +44,24 @@ def rows_for(part: dict) -> list[dict]:
     system = "transformers" if kind == "hf" else ("engine, eager" if part.get("eager") else "engine")
     if part.get("status") != "ok":
         figs = ",".join(part.get("figures") or [])
-        return [_row(figs, system, model, "-", NAN, note=f"{part.get('status')}: {part.get('error', '')[:160]}")]
+        why = f"{part.get('status')}: {part.get('error', '')[:160]}"
+        return [_row(figs, system, model, "-", NAN, note=why)]
     rows = []
-    for fig, label in (("a", "decode tok/s, batch 1"), ("b", "decode tok/s, batch {batch} @ {prompt_tokens}+ ctx")):
+    labels = {"a": "decode tok/s, batch 1", "b": "decode tok/s, batch {batch} @ {prompt_tokens}+ ctx"}
+    for fig, label in labels.items():
         if fig in res:
-            d = res[fig]
-            rows.append(_row(fig, system, model, label.format(**d), d["tok_s"], d["roofline"]["tok_s"],
-                             d["pct_of_roofline"], _decode_note(d)))
+            rows.append(
+                _measured(fig, system, model, label.format(**res[fig]), res[fig], _decode_note(res[fig]))
+            )
     c = res.get("c", {})
     for key, fig in (("full", "c"), ("subset", "c-subset")):
         if key in c:
             d = c[key]
-            note = f"{d['output_tokens']:,} output tokens in {d['wall_s']:.1f} s, T={d.get('temperature', '')}"
+            note = (
+                f"{d['output_tokens']:,} output tokens in {d['wall_s']:.1f} s, T={d.get('temperature', '')}"
+            )
             note += f"; WARNING: {d['warning']}" if d.get("warning") else ""
-            rows.append(_row(fig, system, model, f"output tok/s, {d['requests']} requests", d["tok_s"],
-                             d["roofline"]["tok_s"], d["pct_of_roofline"], note))
+            rows.append(_measured(fig, system, model, f"output tok/s, {d['requests']} requests", d, note))
     return rows
 
 
@@ -65,8 +74,8 @@ def collect(out: Path) -> dict:
     rows = [r for name in order if name in parts for r in rows_for(parts[name])]
     old = out / "benchmark.json"
     serving = json.loads(old.read_text()).get("serving") if old.exists() else None
-    return {"meta": meta, "environment": env, "rows": rows, "jobs": {k: parts[k] for k in order if k in parts},
-            "serving": serving}  # fmt: skip
+    jobs = {k: parts[k] for k in order if k in parts}
+    return {"meta": meta, "environment": env, "rows": rows, "jobs": jobs, "serving": serving}
 
 
 def _fmt(x, digits=0) -> str:
@@ -80,8 +89,15 @@ def table(rows: list[dict], with_notes: bool = True) -> str:
     head += ["notes"] if with_notes else []
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cells = [r["figure"], r["system"], r["model"] or "", r["metric"], _fmt(r["value"], 1),
-                 _fmt(r["roofline"], 0), _fmt(r["pct_of_roofline"], 1)]
+        cells = [
+            r["figure"],
+            r["system"],
+            r["model"] or "",
+            r["metric"],
+            _fmt(r["value"], 1),
+            _fmt(r["roofline"], 0),
+            _fmt(r["pct_of_roofline"], 1),
+        ]
         lines.append("| " + " | ".join(cells + ([r["note"]] if with_notes else [])) + " |")
     return "\n".join(lines)
 
@@ -89,20 +105,28 @@ def table(rows: list[dict], with_notes: bool = True) -> str:
 def _header(data: dict) -> list[str]:
     meta, env = data["meta"], data["environment"]
     hw, ver, dev = env.get("hardware", {}), env.get("versions", {}), env.get("device", {})
-    gpu = f"{hw.get('gpu')} ({hw.get('sm_count')} SMs, {hw.get('gpu_memory_GiB')} GiB)" if hw.get("gpu") else "CPU"
-    lines = ["# minserve benchmarks" + (" (SMOKE: tiny models on CPU, not real figures)" if meta.get("smoke") else ""),
-             ""]  # fmt: skip
+    gpu = (
+        f"{hw.get('gpu')} ({hw.get('sm_count')} SMs, {hw.get('gpu_memory_GiB')} GiB)"
+        if hw.get("gpu")
+        else "CPU"
+    )
+    smoke = " (SMOKE: tiny models on CPU, not real figures)" if meta.get("smoke") else ""
+    lines = ["# minserve benchmarks" + smoke, ""]
     if meta:
-        lines.append(f"- Command: `{meta.get('command', '?')}` (git {meta.get('git')}, {meta.get('started')}, "
-                     f"{_fmt(meta.get('wall_s'), 0)} s)")
+        lines.append(
+            f"- Command: `{meta.get('command', '?')}` (git {meta.get('git')}, {meta.get('started')}, "
+            f"{_fmt(meta.get('wall_s'), 0)} s)"
+        )
         lines.append(f"- Sizes: `{json.dumps(meta.get('sizes', {}))}`")
     if env:
         lines += [
-            f"- Hardware: {gpu}; host {env.get('hostname')}, {hw.get('cpu_count')} CPUs; {hw.get('nvidia_smi') or ''}",
+            f"- Hardware: {gpu}; host {env.get('hostname')}, {hw.get('cpu_count')} CPUs; "
+            f"{hw.get('nvidia_smi') or ''}",
             "- Versions: " + ", ".join(f"{k} {v}" for k, v in ver.items()),
             f"- Measured ceilings: copy {_fmt(dev.get('copy_bw_GBps'), 0)} GB/s (read + write of a "
             f"{_fmt((dev.get('copy_bytes') or 0) / 2**20, 0)} MiB device copy), matmul "
-            f"{_fmt(dev.get('matmul_TFLOPs'), 1)} TFLOP/s ({dev.get('matmul_dtype')} n={dev.get('matmul_n')})",
+            f"{_fmt(dev.get('matmul_TFLOPs'), 1)} TFLOP/s "
+            f"({dev.get('matmul_dtype')} n={dev.get('matmul_n')})",
         ]
     return lines + [""]
 
@@ -152,8 +176,8 @@ def plot(data: dict, out: Path) -> str:
     for ax, (f, model) in zip(axes[0], panels):
         sel = [r for r in rows if (r["figure"], r["model"]) == (f, model)]
         bars = ax.bar([r["system"] for r in sel], [r["value"] for r in sel], color="tab:blue")
-        labels = [f"{r['value']:,.0f}" + ("" if math.isnan(r["pct_of_roofline"]) else f"\n{r['pct_of_roofline']:.0f}%")
-                  for r in sel]  # fmt: skip
+        pct = ["" if math.isnan(r["pct_of_roofline"]) else f"\n{r['pct_of_roofline']:.0f}%" for r in sel]
+        labels = [f"{r['value']:,.0f}{p}" for r, p in zip(sel, pct)]
         ax.bar_label(bars, labels=labels, fontsize=7)
         roof = max((r["roofline"] for r in sel if not math.isnan(r["roofline"])), default=NAN)
         if not math.isnan(roof):
@@ -173,13 +197,15 @@ def plot(data: dict, out: Path) -> str:
 def short_table(data: dict) -> str:
     lines = [f"{'figure':9} {'system':14} {'model':13} {'measured':>11} {'roofline':>10} {'%':>6}"]
     for r in data["rows"]:
-        lines.append(f"{r['figure']:9} {r['system']:14} {r['model'] or '':13} {_fmt(r['value'], 1):>11} "
-                     f"{_fmt(r['roofline'], 0):>10} {_fmt(r['pct_of_roofline'], 1):>6}")
+        lines.append(
+            f"{r['figure']:9} {r['system']:14} {r['model'] or '':13} {_fmt(r['value'], 1):>11} "
+            f"{_fmt(r['roofline'], 0):>10} {_fmt(r['pct_of_roofline'], 1):>6}"
+        )
     if data.get("serving"):
         s = data["serving"]
         for m in ("ttft_ms", "itl_ms"):
             q = s.get(m) or {}
-            lines.append(f"serve {m}: p50 {_fmt(q.get('p50'), 1)} p90 {_fmt(q.get('p90'), 1)} p99 {_fmt(q.get('p99'), 1)}")
+            lines.append(f"serve {m}: " + " ".join(f"{k} {_fmt(q.get(k), 1)}" for k in ("p50", "p90", "p99")))
     return "\n".join(lines)
 
 
@@ -233,7 +259,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default="benchmarks/reports")
     p.add_argument("--replot", action="store_true", help="markdown + PNG from benchmark.json only")
     p.add_argument("--serve", help="directory of a serve_w2.sh run to add to the report")
-    p.add_argument("--merge", nargs="+", metavar="RUN", help="output directories of runs to combine into --out")
+    p.add_argument(
+        "--merge", nargs="+", metavar="RUN", help="output directories of runs to combine into --out"
+    )
     args = p.parse_args(argv)
     out = Path(args.out)
     if args.merge:

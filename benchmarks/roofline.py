@@ -85,8 +85,14 @@ def decode_roofline(cost: ModelCost, batch: int, mean_ctx: float, device: dict) 
     t_mem = step_bytes / (device["copy_bw_GBps"] * 1e9)
     t_flop = step_flops / (device["matmul_TFLOPs"] * 1e12)
     t = max(t_mem, t_flop)
-    return {"bytes_per_step": step_bytes, "flops_per_step": step_flops, "t_mem_s": t_mem, "t_flop_s": t_flop,
-            "bound": "memory" if t_mem >= t_flop else "compute", "tok_s": batch / t}
+    return {
+        "bytes_per_step": step_bytes,
+        "flops_per_step": step_flops,
+        "t_mem_s": t_mem,
+        "t_flop_s": t_flop,
+        "bound": "memory" if t_mem >= t_flop else "compute",
+        "tok_s": batch / t,
+    }
 
 
 def offline_roofline(cost: ModelCost, prompt_lens: list[int], output_lens: list[int], device: dict) -> dict:
@@ -104,8 +110,14 @@ def offline_roofline(cost: ModelCost, prompt_lens: list[int], output_lens: list[
     t_mem = total_bytes / (device["copy_bw_GBps"] * 1e9)
     t_flop = total_flops / (device["matmul_TFLOPs"] * 1e12)
     t = max(t_mem, t_flop)
-    return {"bytes": total_bytes, "flops": total_flops, "t_mem_s": t_mem, "t_flop_s": t_flop,
-            "bound": "memory" if t_mem >= t_flop else "compute", "tok_s": sum(output_lens) / t}
+    return {
+        "bytes": total_bytes,
+        "flops": total_flops,
+        "t_mem_s": t_mem,
+        "t_flop_s": t_flop,
+        "bound": "memory" if t_mem >= t_flop else "compute",
+        "tok_s": sum(output_lens) / t,
+    }
 
 
 def _median_time(fn, reps: int, device) -> float:
@@ -132,6 +144,15 @@ def _median_time(fn, reps: int, device) -> float:
     return statistics.median(times)
 
 
+def _copy_time(nbytes: int, reps: int, device) -> float:
+    """Median seconds to copy nbytes device to device (both buffers freed on return)."""
+    import torch
+
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).fill_(1.0)
+    dst = torch.empty_like(src)
+    return _median_time(lambda: dst.copy_(src), reps, device)
+
+
 def measure_device(smoke: bool = False, reps: int = 10) -> dict:
     """Copy bandwidth (read + write bytes) and matmul TFLOP/s of the current device."""
     import torch
@@ -139,17 +160,20 @@ def measure_device(smoke: bool = False, reps: int = 10) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     nbytes = (64 if smoke else 2048) * 2**20
-    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).fill_(1.0)
-    dst = torch.empty_like(src)
-    t_copy = _median_time(lambda: dst.copy_(src), reps, device)
-    del src, dst
+    t_copy = _copy_time(nbytes, reps, device)
     n = 512 if smoke else 8192
     a = torch.randn(n, n, dtype=dtype, device=device)
     b = torch.randn(n, n, dtype=dtype, device=device)
     t_mm = _median_time(lambda: a @ b, reps, device)
-    return {"device": device.type, "copy_bytes": nbytes, "copy_bw_GBps": 2 * nbytes / t_copy / 1e9,
-            "matmul_n": n, "matmul_dtype": str(dtype).removeprefix("torch."),
-            "matmul_TFLOPs": 2 * n**3 / t_mm / 1e12, "reps": reps}
+    return {
+        "device": device.type,
+        "copy_bytes": nbytes,
+        "copy_bw_GBps": 2 * nbytes / t_copy / 1e9,
+        "matmul_n": n,
+        "matmul_dtype": str(dtype).removeprefix("torch."),
+        "matmul_TFLOPs": 2 * n**3 / t_mm / 1e12,
+        "reps": reps,
+    }
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -21,7 +21,7 @@ CKPT_DIR=${CKPT_DIR:-/tmp/minserve_bench}
 export TQDM_MININTERVAL=${TQDM_MININTERVAL:-10}  # fewer progress-bar redraws in a captured log
 mkdir -p "$OUT" "$CKPT_DIR"
 
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || echo "run_gpu.sh: no nvidia-smi"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "run_gpu.sh: no nvidia-smi"
 free_gb=$(df -Pk "$CKPT_DIR" | awk 'NR == 2 {print int($4 / 1048576)}')
 echo "run_gpu.sh: ${free_gb} GiB free under $CKPT_DIR (the three checkpoints need about 20 GiB)"
 

@@ -91,7 +91,9 @@ async def run(args) -> dict:
         results: list[dict] = []
         t0 = time.perf_counter()
         deadline = t0 + args.duration
-        await asyncio.gather(*(user_loop(i, args, session, facts, deadline, results) for i in range(args.users)))
+        await asyncio.gather(
+            *(user_loop(i, args, session, facts, deadline, results) for i in range(args.users))
+        )
         elapsed = time.perf_counter() - t0
     return summarize(results, elapsed, facts)
 
@@ -124,9 +126,14 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    q = lambda m: " ".join(f"{k} {summary[m][k]:.1f}" for k in ("p50", "p90", "p99") if summary[m][k] is not None)
-    print(f"{summary['requests']} requests ({summary['failures']} failed), {summary['output_tok_s']:.0f} tok/s; "
-          f"TTFT ms {q('ttft_ms')}; ITL ms {q('itl_ms')}")
+    q = lambda m: " ".join(
+        f"{k} {summary[m][k]:.1f}" for k in ("p50", "p90", "p99") if summary[m][k] is not None
+    )
+    print(
+        f"{summary['requests']} requests ({summary['failures']} failed), "
+        f"{summary['output_tok_s']:.0f} tok/s; "
+        f"TTFT ms {q('ttft_ms')}; ITL ms {q('itl_ms')}"
+    )
 
 
 if __name__ == "__main__":

@@ -69,15 +69,17 @@ def serving_markdown(s: dict) -> str:
     lines = [f"## Serving ({meta.get('workload', 'W2')} through Ray Serve)", "",
              f"- Load: {meta.get('users')} closed-loop users for {meta.get('duration_s')} s against "
              f"{meta.get('model')} ({meta.get('gpu', '')}); source: {s.get('source')}",
-             f"- Requests: {s.get('requests')} ({s.get('failures', 0)} failed), {_f(s.get('req_s'), 2)} req/s, "
-             f"{_f(s.get('output_tok_s'), 0)} output tok/s", ""]  # fmt: skip
+             f"- Requests: {s.get('requests')} ({s.get('failures', 0)} failed), "
+             f"{_f(s.get('req_s'), 2)} req/s, {_f(s.get('output_tok_s'), 0)} output tok/s", ""]  # fmt: skip
     if s.get("error"):
         lines.append(f"- error: {s['error']}")
     lines += ["| metric | count | p50 (ms) | p90 (ms) | p99 (ms) |", "|---|---|---|---|---|"]
     for key, name in (("ttft_ms", "TTFT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E")):
         q = s.get(key) or {}
-        lines.append(f"| {name} | {q.get('count', '-')} | {_f(q.get('p50'), 1)} | {_f(q.get('p90'), 1)} | "
-                     f"{_f(q.get('p99'), 1)} |")
+        lines.append(
+            f"| {name} | {q.get('count', '-')} | {_f(q.get('p50'), 1)} | {_f(q.get('p90'), 1)} | "
+            f"{_f(q.get('p99'), 1)} |"
+        )
     return "\n".join(lines)
 
 

@@ -73,6 +73,7 @@ stop_server() {
   done
 }
 trap stop_server EXIT
+trap 'stop_server; exit 143' TERM INT
 
 URL="http://127.0.0.1:$PORT"
 "$PY" - "$URL" "$READY_TIMEOUT" "$SERVE_PID" <<'EOF'
@@ -116,6 +117,6 @@ meta = {"workload": "$WORKLOAD", "model": "$MODEL", "checkpoint": "$CKPT", "user
         "scale_args": "${SCALE_ARGS[*]}"}
 json.dump(meta, open(sys.argv[1], "w"), indent=2)
 EOF
+trap - EXIT TERM INT
 stop_server
-trap - EXIT
 "$PY" -m benchmarks.report --out "$OUT" --serve "$RUN"

@@ -58,7 +58,10 @@ class LLM:
         """One result per prompt, in order. A prompt is a string, token ids, or chat messages."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, dict))):
             prompts = [prompts]
-        params = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if not isinstance(params, list):
+            params = [params or SamplingParams()]
+        if len(params) == 1:
+            params = params * len(prompts)  # one SamplingParams for every prompt
         results: dict[str, GenerationResult] = {}
         for prompt, p in zip(prompts, params, strict=True):
             rid = self.engine.add_request(prompt, p)

@@ -43,7 +43,9 @@ def test_smoke_run_produces_every_figure(tmp_path):
     from benchmarks.bench import main
 
     out = tmp_path / "reports"
-    main(["--smoke", "--no-isolate", "--suite", "all", "--out", str(out), "--ckpt-dir", str(tmp_path / "ckpt")])
+    main(
+        ["--smoke", "--no-isolate", "--suite", "all", "--out", str(out), "--ckpt-dir", str(tmp_path / "ckpt")]
+    )
     data = json.loads((out / "benchmark.json").read_text())
     bad = {k: v.get("error") for k, v in data["jobs"].items() if v["status"] != "ok"}
     assert not bad

@@ -90,10 +90,10 @@ def _assert_error(
 # ---------------------------------------------------------------- happy paths
 
 
-def test_health_and_models(server: Server, client: openai.OpenAI):
+def test_health_and_models(server: Server, client: openai.OpenAI, tiny_model_dir):
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
     models = client.models.list().data
-    assert [m.id for m in models] == [server.model] == ["tiny-llama"]
+    assert [m.id for m in models] == [server.model] == [tiny_model_dir.name]
 
 
 def test_completions_match_offline_engine(server, client, reference):
@@ -264,12 +264,26 @@ def test_logprobs_shapes(server, client):
     assert len(content) == chat.usage.completion_tokens and all(len(t.top_logprobs) == 2 for t in content)
 
 
+def test_extension_fields_reach_the_engine(server):
+    """The extensions are mapped onto SamplingParams (their effects are tested in the engine tests)."""
+    body = {"model": server.model, "prompt": PROMPT, "max_tokens": 6, "ignore_eos": True, "temperature": 0}
+    plain = _post(server, "/v1/completions", body).json()["choices"][0]["text"]
+    calc = _post(server, "/v1/completions", {**body, "tools_calculator": True})
+    assert calc.status_code == 200 and calc.json()["choices"][0]["text"] == plain  # no tool call: same text
+    forcing = {"suppress": "</think>", "replacements": [" Wait"], "min_tokens": 4}
+    assert _post(server, "/v1/completions", {**body, "budget_forcing": forcing}).status_code == 200
+    bad = {**body, "budget_forcing": {"suppress": "x", "replacements": [], "min_tokens": 1}}
+    _assert_error(_post(server, "/v1/completions", bad), 422, param="budget_forcing.replacements")
+    bad = {**body, "budget_forcing": {"suppress": "x", "replacement": ["y"]}}  # misspelt nested field
+    _assert_error(_post(server, "/v1/completions", bad), 422, param="budget_forcing")
+
+
 # ---------------------------------------------------------------- errors
 
 
 def test_error_malformed_json_and_unknown_fields(server):
     _assert_error(
-        _post(server, "/v1/completions", b'{"model": "tiny-llama", "prompt": "Hel'), 400, code="invalid_json"
+        _post(server, "/v1/completions", b'{"model": "any", "prompt": "Hel'), 400, code="invalid_json"
     )
     body = {"model": server.model, "prompt": "x", "max_tokens": 2, "temprature": 0.5}
     assert (
@@ -394,7 +408,7 @@ def test_metrics_at_ray_metrics_port(server):
         time.sleep(1)
     assert not missing, f"not exported: {missing}"
     tokens = re.search(
-        r'^ray_minserve_generation_tokens_total\{[^}]*model="tiny-llama"[^}]*\} (\S+)', text, re.M
+        rf'^ray_minserve_generation_tokens_total\{{[^}}]*model="{server.model}"[^}}]*\}} (\S+)', text, re.M
     )
     assert tokens and float(tokens.group(1)) > 0
 
