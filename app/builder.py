@@ -15,6 +15,7 @@ from ray.serve import Application
 
 from app.engine_deployment import EngineDeployment
 from app.ingress import Ingress
+from app.security import DEFAULT_MAX_BODY_BYTES
 from engine.config import EngineConfig
 
 # Serve-level slots on the engine deployment beyond our own admission limit, so that a stream over the
@@ -43,6 +44,10 @@ class AppArgs(BaseModel):
     ingress_max_ongoing_requests: int = Field(
         4096, ge=1, description="Serve's default of 5 would cap streams"
     )
+    api_key: str | None = Field(
+        None, description="require 'Authorization: Bearer <key>' on every route; default: $MINSERVE_API_KEY"
+    )
+    max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1, description="larger request bodies get 413")
 
 
 def _cuda_available() -> bool:
@@ -92,5 +97,11 @@ def build_app(args: AppArgs) -> Application:
         max_ongoing_requests=args.ingress_max_ongoing_requests,
         ray_actor_options={"num_cpus": args.ingress_num_cpus},
     ).bind(
-        engine, model_name=name, default_max_tokens=args.default_max_tokens, retry_after_s=args.retry_after_s
+        engine,
+        model_name=name,
+        default_max_tokens=args.default_max_tokens,
+        retry_after_s=args.retry_after_s,
+        # read here, in the driver: the replicas may run where this shell's environment is not
+        api_key=args.api_key or os.environ.get("MINSERVE_API_KEY") or None,
+        max_body_bytes=args.max_body_bytes,
     )

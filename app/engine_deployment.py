@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -77,6 +78,15 @@ def to_wire(outs: list[RequestOutput], token_text: Callable[[int], str]) -> dict
         "completion_tokens": last.completion_tokens,
         "cached_tokens": last.cached_tokens,
     }
+
+
+def _rss_bytes() -> int | None:
+    """Resident memory of this process (Linux /proc; None elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return None
 
 
 @serve.deployment(name="EngineDeployment", health_check_period_s=5, health_check_timeout_s=30)
@@ -189,7 +199,13 @@ class EngineDeployment:
                 logger.exception("metrics update failed")
 
     def stats(self) -> dict:
-        return {**self.engine.stats(), "ongoing_requests": self._ongoing, "max_ongoing_requests": self._limit}
+        return {
+            **self.engine.stats(),
+            "ongoing_requests": self._ongoing,
+            "max_ongoing_requests": self._limit,
+            "pid": os.getpid(),  # the replica process: soak tests watch its memory
+            "rss_bytes": _rss_bytes(),
+        }
 
     def audit(self) -> list[str]:
         return self.engine.audit()

@@ -23,6 +23,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.engine_client import EngineClient, EngineStream, call_failure, cancel_all, merge
+from app import security
 from app.errors import ApiError, from_engine_error, internal
 from app.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from app.sse import DONE, ResponseAssembler, item_error, sse_error
@@ -34,7 +35,11 @@ api = FastAPI(title="minserve", description="OpenAI-compatible completions on a 
 
 
 def install_hooks(app: FastAPI) -> None:
-    """The one place for request-level hardening (issue 6: API key, body-size limit). Empty for now."""
+    """The one place for request-level hardening: API key and body-size limit (app/security.py).
+
+    Its settings come from the Ingress constructor (`security.configure`): Serve serves a frozen copy
+    of this app, so the middleware reads them from its module, not from the app object."""
+    app.add_middleware(security.SecurityMiddleware)
 
 
 install_hooks(api)
@@ -65,8 +70,18 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
 
 @api.exception_handler(StarletteHTTPException)
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    if exc.status_code == 400 and exc.__cause__ is not None:  # FastAPI could not decode the body
+        return ApiError(400, _unparsable_body(exc.__cause__), code="invalid_json").response()
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
     return ApiError(exc.status_code, str(exc.detail), kind).response()
+
+
+def _unparsable_body(cause: BaseException) -> str:
+    if isinstance(cause, UnicodeDecodeError):
+        return f"request body is not valid UTF-8 (byte {cause.object[cause.start]:#04x} at {cause.start})"
+    if isinstance(cause, RecursionError):
+        return "request body JSON is nested too deeply: send a flat JSON object"
+    return f"could not parse the request body as JSON ({type(cause).__name__}); send a JSON object"
 
 
 @api.exception_handler(Exception)
@@ -79,8 +94,15 @@ async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
 @serve.ingress(api)
 class Ingress:
     def __init__(
-        self, engine: DeploymentHandle, model_name: str, default_max_tokens: int = 256, retry_after_s: int = 1
+        self,
+        engine: DeploymentHandle,
+        model_name: str,
+        default_max_tokens: int = 256,
+        retry_after_s: int = 1,
+        api_key: str | None = None,
+        max_body_bytes: int = security.DEFAULT_MAX_BODY_BYTES,
     ):
+        security.configure(api_key, max_body_bytes)
         self._engine = engine
         self._client = EngineClient(engine, retry_after_s)
         self._model = model_name

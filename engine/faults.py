@@ -2,7 +2,9 @@
 
 A request opts in by carrying the marker `__fault:<point>__` in its prompt text; `check(point,
 request)` then raises InjectedFault at that point of that request's path. The point "loop" kills the
-engine loop itself (to test health checks and replica replacement).
+engine loop itself (to test health checks and replica replacement). The point "tool" fires where the
+calculator runs (a sampled python-end marker) and also at the first sampled token of any request with
+the tool enabled, since a small test model rarely samples that marker.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ class FaultInjector:
         return f"__fault:{point}__" in text
 
     def check(self, point: str, request) -> None:
+        if point == "sample" and getattr(request.params, "tool", None) is not None:
+            self.check("tool", request)  # every sampled token passes here (see the module docstring)
         if self.wants(point, request):
             raise InjectedFault(f"injected fault at {point} for request {request.request_id}")
 

@@ -18,6 +18,7 @@ from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor
 from engine.outputs import CompletionDelta, RequestOutput
 from engine.request import Request, Sequence
+from engine.sampler import PendingSample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.tokenizer import Tokenizer
@@ -42,6 +43,7 @@ class LLMEngine:
         self.processor = OutputProcessor(self.tokenizer, eos, self.max_model_len, self.faults)
         self.requests: dict[str, Request] = {}
         self._failed: list[Request] = []
+        self._touched: dict[str, Request] = {}  # requests with tokens not yet turned into outputs
         self._ids = itertools.count()
         self.stats = {
             "num_aborts": 0,
@@ -121,58 +123,93 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the step loop
     def step(self) -> list[RequestOutput]:
+        """schedule -> run on the device -> postprocess.
+
+        While the device computes this step, the host turns the previous step's tokens into text and
+        outputs (`_emit`), so that work costs no GPU time; outputs therefore trail tokens by one step.
+        """
         out = self.scheduler.schedule()
-        if out.is_empty:
-            return self._flush_failed()
-        samplers, result = self._run(out)
-        self.scheduler.update_computed(out)
-        touched = self._postprocess(samplers, result)
-        return [self._make_output(r) for r in touched] + self._flush_failed()
+        pending = self._launch(out)
+        outputs = self._emit()
+        self._complete(out, pending)
+        return outputs + self._flush_failed()
 
-    def _flush_failed(self) -> list[RequestOutput]:
-        """Final outputs of requests failed outside the per-sample path (e.g. a failed forward)."""
-        failed, self._failed = self._failed, []
-        return [self._finish_output(r) for r in failed if r.request_id in self.requests]
-
-    def _run(self, out: SchedulerOutput):
-        try:
-            result = self.runner.execute(out)
-            samplers = [s for c in out.chunks for s in c.samples]
-            return samplers, result
-        except Exception as exc:  # a failed forward fails the requests in it, never the engine
-            log.exception("model step failed")
-            for chunk in out.chunks:
-                self._fail(chunk.seq.request, f"model step failed: {exc}")
-            return [], None
-
-    def _postprocess(self, samplers: list[Sequence], result) -> list[Request]:
-        touched: dict[str, Request] = {}
+    def _launch(self, out: SchedulerOutput) -> PendingSample | None:
         now = time.time()
-        for i, seq in enumerate(samplers):
+        for chunk in out.chunks:
+            metrics = chunk.seq.request.metrics
+            metrics.first_scheduled_time = metrics.first_scheduled_time or now
+        try:
+            return self.runner.execute(out) if out.chunks else None
+        except Exception as exc:  # a failed forward fails the requests in it, never the engine
+            self._fail_chunks(out, exc)
+            return None
+
+    def _complete(self, out: SchedulerOutput, pending: PendingSample | None) -> None:
+        """Wait for the sampled ids (the step's one host sync) and append them: token-level work only."""
+        result = None
+        if pending is not None:
+            try:
+                result = pending.resolve()
+            except Exception as exc:
+                self._fail_chunks(out, exc)
+        self.scheduler.update_computed(out)
+        if result is None:
+            return
+        now = time.time()
+        samplers = [s for c in out.chunks for s in c.samples]
+        for seq, token, logprob in zip(samplers, result.token_ids, result.logprobs, strict=True):
             request = seq.request
-            touched[request.request_id] = request
             if seq.finished:
-                continue
-            if request.metrics.first_token_time is None:
-                request.metrics.first_token_time = now
+                continue  # e.g. a stop string ended it while this step was already in flight
+            self._touched[request.request_id] = request
+            request.metrics.first_token_time = request.metrics.first_token_time or now
             request.metrics.last_token_time = now
             try:
-                reason = self.processor.process(seq, result.token_ids[i], result.logprobs[i])
+                reason = self.processor.append(seq, token, logprob)
             except Exception as exc:
-                log.exception("request %s failed in postprocessing", request.request_id)
-                self._fail(request, f"{type(exc).__name__}: {exc}")
+                self._fail(request, f"{type(exc).__name__}: {exc}", exc)
                 continue
             if reason:
                 self._finish_seq(seq, reason)
-        for seq in self.scheduler.running:
-            seq.request.metrics.first_scheduled_time = seq.request.metrics.first_scheduled_time or now
-        return list(touched.values())
+
+    def _emit(self) -> list[RequestOutput]:
+        """Text and RequestOutputs for every request that got tokens in the previous step."""
+        touched, self._touched = self._touched, {}
+        outputs = []
+        for request in touched.values():
+            if request.request_id not in self.requests:
+                continue  # aborted or failed meanwhile; its final output is already out
+            try:
+                for seq in request.seqs:
+                    if self.processor.detokenize(seq):
+                        if seq.finished:
+                            seq.finish_reason = "stop"
+                        else:
+                            self._finish_seq(seq, "stop")
+            except Exception as exc:
+                self._fail(request, f"{type(exc).__name__}: {exc}", exc)
+                continue
+            outputs.append(self._make_output(request))
+        return outputs
+
+    def _flush_failed(self) -> list[RequestOutput]:
+        """Final outputs of failed requests (each gets exactly one, with finish_reason "error")."""
+        failed, self._failed = self._failed, []
+        return [self._finish_output(r) for r in failed if r.request_id in self.requests]
+
+    def _fail_chunks(self, out: SchedulerOutput, exc: Exception) -> None:
+        for request in {id(c.seq.request): c.seq.request for c in out.chunks}.values():
+            self._fail(request, f"model step failed: {exc}", exc)
 
     def _finish_seq(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
         self.runner.release(seq)
 
-    def _fail(self, request: Request, message: str) -> None:
+    def _fail(self, request: Request, message: str, exc: Exception | None = None) -> None:
+        if request.aborted:
+            return  # already failed or aborted: one terminal output only
+        log.error("request %s failed: %s", request.request_id, message, exc_info=exc)
         self.stats["num_errors"] += 1
         for seq in request.seqs:
             seq.error = message

@@ -17,7 +17,7 @@ from engine.loader import load_model
 from engine.model_config import ModelConfig
 from engine.models.layers import Attention
 from engine.request import Sequence
-from engine.sampler import Sampler, SampleResult, SamplingRow, upload
+from engine.sampler import PendingSample, Sampler, SamplingRow, upload
 from engine.scheduler import SchedulerOutput
 from engine.step_inputs import StepBatch, build_batch, pack, unpack
 
@@ -74,12 +74,13 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> SampleResult:
+    def execute(self, out: SchedulerOutput) -> PendingSample | None:
+        """Enqueue the step on the device and return its samples unresolved (None: nothing samples)."""
         self._copy_blocks(out.block_copies)
         batch = build_batch(out, self.block_size)
         hidden = self._forward(batch)
         if not batch.samplers:
-            return SampleResult([], [])
+            return None
         if batch.logit_rows != list(range(len(batch.input_ids))):  # decode steps sample every row
             hidden = hidden.index_select(0, upload(batch.logit_rows, torch.long, self.device))
         logits = self.model.compute_logits(hidden)

@@ -1,10 +1,11 @@
 """Turns sampled tokens into per-request outputs: forced tokens, stops, text deltas, finish reasons.
 
-For each sampling sequence, in order:
+Token-level work (`append`, on the critical path between two steps), for each sampling sequence:
   1. budget forcing: a sampled suppress token before the budget is spent becomes a replacement string;
   2. the calculator tool: a sampled python-end marker evaluates the expression since the last
      python-start marker and forces "<output_start> result <output_end>" into this sequence only;
   3. stop token ids / EOS, max_tokens and max_model_len;
+Text-level work (`detokenize`, deferred until the next step is running on the GPU):
   4. incremental detokenisation, stop strings matched across token boundaries (the stop string is not
      emitted: text that could still begin a stop string is held back until it cannot).
 Forced tokens get mask 0 and are computed next step like any pending tokens.
@@ -34,6 +35,7 @@ class SampleState:
     pending_masks: list[int] = field(default_factory=list)
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
     stopped_by_string: bool = False
+    ends_with_stop_token: bool = False
 
 
 class OutputProcessor:
@@ -51,8 +53,9 @@ class OutputProcessor:
             seq.state["out"] = SampleState(IncrementalDetokenizer(self.tokenizer, seq.request.prompt_ids))
         return seq.state["out"]
 
-    def process(self, seq: Sequence, token: int, logprob) -> str | None:
-        """Append one sampled token (and any forced ones). Returns a finish reason or None."""
+    def append(self, seq: Sequence, token: int, logprob) -> str | None:
+        """Token-level work, on the critical path between two steps: append the sampled token (or its
+        forced replacement), check stop ids / EOS and length. Returns a finish reason or None."""
         params, st = seq.request.params, self.state(seq)
         self.faults.check("sample", seq.request)
         forced = self._budget_forcing(seq, token)
@@ -68,6 +71,7 @@ class OutputProcessor:
             token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos)
         ):
             reason = "stop"
+            st.ends_with_stop_token = True  # a stop token / EOS is never part of the text
         over = seq.num_output - params.max_tokens
         if over >= 0:
             if over > 0:  # forced tokens overshot the budget: keep exactly max_tokens
@@ -75,11 +79,17 @@ class OutputProcessor:
             reason = reason or "length"
         if seq.num_tokens >= self.max_model_len:
             reason = reason or "length"
-        if self._detokenize(seq, skip_last=reason == "stop" and not st.stopped_by_string):
-            reason = "stop"
-        if reason and not st.stopped_by_string:
-            st.text += st.detok.flush()  # an incomplete character held back at the very end
         return reason
+
+    def detokenize(self, seq: Sequence) -> bool:
+        """Text-level work, done while the GPU runs the next step: new text and stop strings.
+        Returns True when a stop string ended the sample."""
+        st = self.state(seq)
+        stopped = self._detokenize(seq, skip_last=st.ends_with_stop_token)
+        if seq.finished or stopped:
+            if not st.stopped_by_string:
+                st.text += st.detok.flush()  # an incomplete character held back at the very end
+        return stopped
 
     # ------------------------------------------------------------------ forced tokens
     def _encode(self, text: str) -> list[int]:
@@ -134,8 +144,8 @@ class OutputProcessor:
         self.faults.check("detokenize", seq.request)
         new = seq.token_ids[seq.num_prompt + st.num_seen :]
         st.num_seen = seq.num_output
-        if skip_last:
-            new = new[:-1]  # a stop token / EOS is never part of the text
+        if skip_last and new:
+            new = new[:-1]
         for token in new:
             if st.stopped_by_string:
                 break

@@ -44,6 +44,31 @@ class SampleResult:
     logprobs: list[tuple[float, list[tuple[int, float]]] | None]  # per row: (chosen lp, top-k) or None
 
 
+@dataclass
+class PendingSample:
+    """Sampled ids still on the device. The engine does other host work while the GPU finishes, then
+    `resolve()` makes the step's one device-to-host copy (plus logprobs, only when a row asked)."""
+
+    sampled: torch.Tensor
+    raw_logprobs: torch.Tensor | None
+    rows: list[SamplingRow]
+
+    def resolve(self) -> SampleResult:
+        rows = self.rows
+        if self.raw_logprobs is None:
+            return SampleResult(self.sampled.tolist(), [None] * len(rows))
+        k = max(r.params.logprobs or 0 for r in rows)
+        chosen = self.raw_logprobs.gather(1, self.sampled[:, None])[:, 0]
+        top_lp, top_ids = self.raw_logprobs.topk(max(k, 1), dim=-1)
+        ids, chosen = self.sampled.tolist(), chosen.tolist()
+        top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
+        logprobs = []
+        for i, r in enumerate(rows):
+            n = r.params.logprobs
+            logprobs.append(None if n is None else (chosen[i], list(zip(top_ids[i][:n], top_lp[i][:n]))))
+        return SampleResult(ids, logprobs)
+
+
 class Sampler:
     def __init__(self, vocab_size: int, device: torch.device):
         self.vocab_size = vocab_size
@@ -52,18 +77,18 @@ class Sampler:
     def _t(self, values, dtype=torch.float32) -> torch.Tensor:
         return upload(values, dtype, self.device)
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> PendingSample:
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if _wants_logprobs(rows) else None
         logits = self._apply_penalties(logits, rows)
         if all(r.params.greedy for r in rows):  # the common benchmark case: one argmax, nothing else
-            return self._to_host(fast_argmax(logits), raw_logprobs, rows)
+            return PendingSample(fast_argmax(logits), raw_logprobs, rows)
         greedy = self._t([r.params.greedy for r in rows], torch.bool)
         temperature = self._t([r.params.temperature or 1.0 for r in rows])
         probs = torch.softmax(self._filter(logits / temperature[:, None], rows), dim=-1)
         noise = self._exponential_noise(rows, probs.shape)
         sampled = torch.where(greedy, logits.argmax(dim=-1), (probs / noise).argmax(dim=-1))
-        return self._to_host(sampled, raw_logprobs, rows)
+        return PendingSample(sampled, raw_logprobs, rows)
 
     # ------------------------------------------------------------------ logits processors
     def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -117,23 +142,6 @@ class Sampler:
             if r.generator is not None and not r.params.greedy:
                 noise[i].exponential_(generator=r.generator)
         return noise
-
-    def _to_host(self, sampled, raw_logprobs, rows) -> SampleResult:
-        """The step's one device-to-host copy (plus logprobs, only when a row asked for them)."""
-        if raw_logprobs is None:
-            return SampleResult(sampled.tolist(), [None] * len(rows))
-        k = max(r.params.logprobs or 0 for r in rows)
-        chosen = raw_logprobs.gather(1, sampled[:, None])[:, 0]
-        top_lp, top_ids = raw_logprobs.topk(max(k, 1), dim=-1)
-        ids, chosen, top_lp, top_ids = sampled.tolist(), chosen.tolist(), top_lp.tolist(), top_ids.tolist()
-        logprobs = []
-        for i, r in enumerate(rows):
-            if r.params.logprobs is None:
-                logprobs.append(None)
-                continue
-            top = list(zip(top_ids[i][: r.params.logprobs], top_lp[i][: r.params.logprobs]))
-            logprobs.append((chosen[i], top))
-        return SampleResult(ids, logprobs)
 
 
 def fast_argmax(logits: torch.Tensor, chunks: int = 128) -> torch.Tensor:

@@ -18,6 +18,7 @@ import torch
 from kernels import torch_ops
 
 _FORCE_TORCH = os.environ.get("MINSERVE_TORCH_KERNELS", "0") == "1"
+SKINNY_MAX_M = 16  # rows up to which ops.linear uses the Triton skinny GEMM (kernels.triton_linear)
 
 
 @functools.lru_cache(maxsize=1)
@@ -34,6 +35,27 @@ def use_triton(x: torch.Tensor) -> bool:
     if _FORCE_TORCH or not x.is_cuda:
         return False
     return _triton_importable()
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ weight[N, K]^T (+ bias): the Triton skinny GEMM for decode-sized inputs (at most
+    SKINNY_MAX_M rows, bf16/fp16, contiguous weight), torch.nn.functional.linear (cuBLAS) otherwise."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if (
+        0 < rows <= SKINNY_MAX_M
+        and use_triton(x)
+        and weight.dtype in (torch.bfloat16, torch.float16)
+        and x.dtype == weight.dtype
+        and weight.is_contiguous()
+        and (bias is None or (bias.dtype == weight.dtype and bias.is_contiguous()))
+    ):
+        from kernels import triton_linear
+
+        x2 = x.reshape(rows, x.shape[-1])
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        return triton_linear.skinny_linear(x2, weight, bias=bias).view(*x.shape[:-1], weight.shape[0])
+    return torch.nn.functional.linear(x, weight, bias)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_offset: float = 0.0) -> torch.Tensor:

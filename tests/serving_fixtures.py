@@ -13,7 +13,7 @@ import importlib
 import inspect
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -35,6 +35,8 @@ class Server:
     url: str  # http://127.0.0.1:PORT
     model: str
     metrics_url: str  # Ray's Prometheus endpoint of this node
+    session_dir: str = ""  # this Ray session's directory (logs/serve/ holds the replica logs)
+    headers: dict = field(default_factory=dict)  # the Authorization header when an api_key is set
 
 
 def _free_port() -> int:
@@ -61,13 +63,16 @@ def _build(import_path: str, args: dict):
     return builder(param.annotation.model_validate(args))
 
 
-def start_server(model_dir: Path) -> Server:
+def start_server(model_dir: Path, overrides: dict | None = None) -> Server:
+    """`overrides` are merged into `args` after TEST_OVERRIDES (nested dicts key by key)."""
     import ray
     from ray import serve
 
     config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
     app = config["applications"][0]
     args = _merge(app.get("args") or {}, {**TEST_OVERRIDES, "model": str(model_dir)})
+    args = _merge(args, overrides or {})
+    headers = {"Authorization": f"Bearer {args['api_key']}"} if args.get("api_key") else {}
     context = ray.init(
         num_cpus=2,
         include_dashboard=False,
@@ -79,17 +84,23 @@ def start_server(model_dir: Path) -> Server:
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(_build(app["import_path"], args), name=app["name"], route_prefix=app.get("route_prefix", "/"))
     url = f"http://127.0.0.1:{port}"
-    model = _wait_ready(url)
+    model = _wait_ready(url, headers)
     metrics_port = context.address_info["metrics_export_port"]
-    return Server(url=url, model=model, metrics_url=f"http://127.0.0.1:{metrics_port}/metrics")
+    return Server(
+        url=url,
+        model=model,
+        metrics_url=f"http://127.0.0.1:{metrics_port}/metrics",
+        session_dir=context.address_info["session_dir"],
+        headers=headers,
+    )
 
 
-def _wait_ready(url: str, timeout_s: float = 60.0) -> str:
+def _wait_ready(url: str, headers: dict, timeout_s: float = 60.0) -> str:
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                return httpx.get(f"{url}/v1/models", timeout=5).json()["data"][0]["id"]
+            if httpx.get(f"{url}/health", headers=headers, timeout=5).status_code == 200:
+                return httpx.get(f"{url}/v1/models", headers=headers, timeout=5).json()["data"][0]["id"]
         except httpx.HTTPError:
             pass
         if time.monotonic() > deadline:
@@ -105,11 +116,11 @@ def stop_server() -> None:
     ray.shutdown()
 
 
-def wait_idle(url: str, timeout_s: float = 15.0) -> dict:
+def wait_idle(url: str, timeout_s: float = 15.0, headers: dict | None = None) -> dict:
     """Poll /v1/engine/stats until no stream is open, nothing runs or waits and no KV block is held."""
     deadline = time.monotonic() + timeout_s
     while True:
-        stats = httpx.get(f"{url}/v1/engine/stats", timeout=5).json()
+        stats = httpx.get(f"{url}/v1/engine/stats", headers=headers, timeout=5).json()
         idle = (
             stats["ongoing_requests"],
             stats["num_running"],

@@ -110,19 +110,24 @@ def test_abort_frees_blocks_at_once(tiny_model_dir):
 
 
 class ForcedSampler:
-    """Wraps the real sampler; makes row `seq_index` of the request sample `token` at chosen steps."""
+    """Wraps the real sampler; rows for which `when(call, row_index, row)` holds sample `token` instead."""
 
     def __init__(self, runner, token: int, when):
         self.real, self.token, self.when, self.calls = runner.sampler, token, when, 0
 
     def __call__(self, logits, rows):
-        result = self.real(logits, rows)
+        pending = self.real(logits, rows)
         self.calls += 1
-        ids = [
-            self.token if self.when(self.calls, i, r) else t
-            for i, (t, r) in enumerate(zip(result.token_ids, rows))
-        ]
-        return SampleResult(ids, result.logprobs)
+        forced = [self.when(self.calls, i, r) for i, r in enumerate(rows)]
+        token = self.token
+
+        class Pending:
+            def resolve(self):
+                result = pending.resolve()
+                ids = [token if f else t for f, t in zip(forced, result.token_ids)]
+                return SampleResult(ids, result.logprobs)
+
+        return Pending()
 
 
 def test_calculator_result_is_forced_with_mask_zero(tiny_model_dir, reference):

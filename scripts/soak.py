@@ -1,0 +1,251 @@
+"""Soak test: Locust W2 against a running minserve for N minutes, then leak and failure checks.
+
+    python -m scripts.soak --url http://127.0.0.1:8000 --minutes 10 --out benchmarks/reports/soak_cpu
+    python -m scripts.soak --serve-config serve_config.yaml --minutes 10    # starts `serve run` itself
+    MINSERVE_API_KEY=... python -m scripts.soak ...                          # server with an API key
+
+It runs `locust -f loadtests/ --headless --workload W2` (streaming, closed loop) while it samples the
+engine replica's resident memory from GET /v1/engine/stats (`pid`, `rss_bytes`) every `--sample-s`.
+It fails (exit 1) unless:
+  * Locust recorded 0 failed requests (HTTP errors, error events, streams without [DONE]) and > 0 ok;
+  * once the server is idle, the KV audit (GET /v1/engine/audit) is clean and no block is in use;
+  * the replica's RSS after warm-up (the first `--warmup-s`, default min(60 s, 20% of the run))
+    never grows more than `--max-rss-growth` (5%) above its value at the end of warm-up;
+  * the replica was not replaced during the run (same pid throughout).
+Reports: PREFIX.json and PREFIX.md with `--out PREFIX` (Locust's CSV files next to them).
+
+Locust and the API key: when MINSERVE_API_KEY is set, this file is also handed to Locust as a second
+locustfile; imported there, it adds the bearer header to every `requests` session (the load test's
+users and its start-up calls), as loadtests/ has no option for it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _install_locust_auth() -> None:
+    """Imported by Locust as a locustfile: send the API key with every request."""
+    key = os.environ.get("MINSERVE_API_KEY")
+    if not key:
+        return
+    import requests
+
+    original = requests.Session.__init__
+
+    def init(self, *args, **kwargs) -> None:
+        original(self, *args, **kwargs)
+        self.headers["Authorization"] = f"Bearer {key}"
+
+    requests.Session.__init__ = init
+
+
+if __name__ != "__main__" and "locust" in sys.modules:
+    _install_locust_auth()
+
+
+# ---------------------------------------------------------------- the soak run
+
+
+def _locust_cmd(args, prefix: Path, with_auth: bool) -> list[str]:
+    files = "loadtests/" + (f",{Path(__file__).resolve()}" if with_auth else "")
+    users = str(args.users)
+    return [sys.executable, "-m", "locust", "-f", files, "--host", args.url, "--headless"] + [
+        "-u", users, "-r", users, "-t", f"{int(args.duration_s)}s", "--workload", "W2",
+        "--csv", str(prefix), "--only-summary", "--stop-timeout", "30",
+    ]  # fmt: skip
+
+
+def _stats(http) -> dict:
+    return http.get("/v1/engine/stats").json()
+
+
+def sample_memory(http, proc: subprocess.Popen, every_s: float) -> list[dict]:
+    """(time since start, pid, rss) of the engine replica until the Locust process ends."""
+    start, samples = time.monotonic(), []
+    while True:
+        s = _stats(http)
+        samples.append({"t": round(time.monotonic() - start, 1), "pid": s.get("pid"), "rss": s.get("rss_bytes")})
+        try:
+            proc.wait(timeout=every_s)
+            return samples
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def rss_growth(samples: list[dict], warmup_s: float) -> dict:
+    """Growth of the max RSS after warm-up over the RSS at the end of warm-up."""
+    warm = [s for s in samples if s["t"] >= warmup_s and s["rss"]]
+    if len(warm) < 2:
+        return {"warm_rss": None, "max_rss_after": None, "growth": None}
+    base, peak = warm[0]["rss"], max(s["rss"] for s in warm)
+    return {"warm_rss": base, "max_rss_after": peak, "growth": round(peak / base - 1, 4)}
+
+
+def locust_totals(prefix: Path) -> dict:
+    rows = list(csv.DictReader(open(f"{prefix}_stats.csv")))
+    by_type = {r["Type"]: r for r in rows if r["Name"].startswith("W2")}
+    post = by_type.get("POST", {})
+
+    def pct(kind: str, col: str) -> float | None:
+        row = by_type.get(kind)
+        return float(row[col]) if row and row[col] not in ("", "N/A") else None
+
+    return {
+        "requests": int(post.get("Request Count", 0)),
+        "failures": sum(int(r["Failure Count"]) for r in rows if r["Name"] != "Aggregated"),
+        "requests_per_s": round(float(post.get("Requests/s", 0)), 2),
+        "ttft_ms": {"p50": pct("TTFT", "50%"), "p95": pct("TTFT", "95%")},
+        "itl_ms": {"p50": pct("ITL", "50%"), "p95": pct("ITL", "95%")},
+        "e2e_ms": {"p50": pct("E2E", "50%"), "p95": pct("E2E", "95%")},
+    }
+
+
+def wait_idle(http, timeout_s: float = 60.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        s = _stats(http)
+        busy = any(s[k] for k in ("kv_blocks_used", "num_running", "num_waiting", "ongoing_requests"))
+        if not busy or time.monotonic() > deadline:
+            return s
+        time.sleep(0.2)
+
+
+def soak(args) -> dict:
+    import httpx
+
+    key = args.api_key or os.environ.get("MINSERVE_API_KEY") or ""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    prefix = Path(args.out or f"{os.environ.get('TMPDIR', '/tmp')}/minserve_soak")
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "MINSERVE_GEN_SCALE": str(args.gen_scale), "MINSERVE_API_KEY": key}
+    with httpx.Client(base_url=args.url, headers=headers, timeout=30) as http:
+        proc = subprocess.Popen(
+            _locust_cmd(args, prefix, bool(key)), cwd=ROOT, env=env, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        try:
+            samples = sample_memory(http, proc, args.sample_s)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        output = proc.stdout.read() if proc.stdout else ""
+        stats = wait_idle(http)
+        time.sleep(0.6)  # the engine refreshes its audit at its next idle pass (at most 0.5 s apart)
+        audit = http.get("/v1/engine/audit").json()["problems"]
+    report = {
+        "duration_s": args.duration_s,
+        "users": args.users,
+        "gen_scale": args.gen_scale,
+        "warmup_s": args.warmup_s,
+        "locust_exit_code": proc.returncode,
+        **locust_totals(prefix),
+        "rss": rss_growth(samples, args.warmup_s),
+        "replica_pids": sorted({s["pid"] for s in samples}),
+        "kv_blocks_used_after": stats["kv_blocks_used"],
+        "audit_problems": audit,
+        "rss_samples": samples,
+    }
+    growth = report["rss"]["growth"]
+    report["ok"] = bool(
+        proc.returncode == 0
+        and report["requests"] > 0
+        and report["failures"] == 0
+        and not audit
+        and stats["kv_blocks_used"] == 0
+        and growth is not None
+        and growth < args.max_rss_growth
+        and len(report["replica_pids"]) == 1
+    )
+    if not report["ok"]:
+        report["locust_output_tail"] = output[-3000:]
+    return report
+
+
+# ---------------------------------------------------------------- optional server, CLI
+
+
+def start_server(config: str, url: str) -> subprocess.Popen:
+    import httpx
+
+    log = open(f"{os.environ.get('TMPDIR', '/tmp')}/minserve_soak_server.log", "w")
+    proc = subprocess.Popen([str(ROOT / ".venv/bin/serve"), "run", config], cwd=ROOT, stdout=log, stderr=log)
+    key = os.environ.get("MINSERVE_API_KEY")
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    for _ in range(180):
+        try:
+            if httpx.get(f"{url}/health", headers=headers, timeout=5).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None:
+            raise RuntimeError(f"serve run exited; see {log.name}")
+        time.sleep(1)
+    proc.terminate()
+    raise RuntimeError(f"server not healthy after 180 s; see {log.name}")
+
+
+def _markdown(r: dict) -> str:
+    rss = r["rss"]
+    mib = (lambda b: f"{b / 2**20:.0f} MiB") if rss["warm_rss"] else (lambda b: "n/a")
+    return (
+        f"# Soak: Locust W2, {r['duration_s'] / 60:.1f} min, {r['users']} users, "
+        f"generation x{r['gen_scale']}\n\nResult: **{'PASS' if r['ok'] else 'FAIL'}**\n\n"
+        f"| requests | failures | req/s | TTFT p50/p95 ms | ITL p50/p95 ms | E2E p50/p95 ms |\n"
+        f"|---|---|---|---|---|---|\n| {r['requests']} | {r['failures']} | {r['requests_per_s']} | "
+        f"{r['ttft_ms']['p50']} / {r['ttft_ms']['p95']} | {r['itl_ms']['p50']} / {r['itl_ms']['p95']} | "
+        f"{r['e2e_ms']['p50']} / {r['e2e_ms']['p95']} |\n\n"
+        f"* engine replica RSS: {mib(rss['warm_rss'])} after {r['warmup_s']:.0f} s warm-up, at most "
+        f"{mib(rss['max_rss_after'])} afterwards (growth {rss['growth']}; limit 0.05)\n"
+        f"* replica pid(s): {r['replica_pids']}; KV blocks in use after: {r['kv_blocks_used_after']}; "
+        f"audit problems: {r['audit_problems'] or 'none'}\n"
+    )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--serve-config", default="", help="start `serve run CONFIG` first (and stop it)")
+    p.add_argument("--minutes", type=float, default=10.0)
+    p.add_argument("--users", type=int, default=16)
+    p.add_argument("--gen-scale", type=float, default=0.25, help="W2 generation lengths x this")
+    p.add_argument("--warmup-s", type=float, default=None, help="default: min(60, 20%% of the run)")
+    p.add_argument("--sample-s", type=float, default=5.0, help="RSS sampling period")
+    p.add_argument("--max-rss-growth", type=float, default=0.05)
+    p.add_argument("--api-key", default="", help="default: $MINSERVE_API_KEY")
+    p.add_argument("--out", default="", help="report prefix: PREFIX.json, PREFIX.md, PREFIX_*.csv")
+    args = p.parse_args(argv)
+    args.duration_s = args.minutes * 60
+    if args.warmup_s is None:
+        args.warmup_s = min(60.0, 0.2 * args.duration_s)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    server = start_server(args.serve_config, args.url) if args.serve_config else None
+    try:
+        report = soak(args)
+    finally:
+        if server is not None:
+            server.terminate()
+            server.wait(timeout=60)
+    summary = {k: v for k, v in report.items() if k != "rss_samples"}
+    print(json.dumps(summary, indent=2))
+    if args.out:
+        Path(f"{args.out}.json").write_text(json.dumps(report, indent=2) + "\n")
+        Path(f"{args.out}.md").write_text(_markdown(report))
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
