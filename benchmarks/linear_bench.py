@@ -3,6 +3,7 @@
     python benchmarks/linear_bench.py                 # GPU: gpu-marked linear tests, then timings
     python benchmarks/linear_bench.py --no-tests      # GPU: timings only
     python benchmarks/linear_bench.py --compile-only  # any machine: build for sm_90, print smem / regs
+    python benchmarks/linear_bench.py --sweep         # GPU: graph timings of a few tile configs at M=1, 8
 
 Shapes: Llama-3.1-8B and Llama-3.2-1B projections, bf16, M in {1, 2, 4, 8, 16}. Each measurement
 cycles through enough copies of W that they total > 200 MB (no copy is still in L2 when it comes
@@ -67,12 +68,14 @@ def compile_only() -> int:
 
     driver.set_active(_fake_hopper_driver())
     bf = dict(dtype=torch.bfloat16)
-    for k, n, splits, bias in [(2048, 2048, 8, False), (4096, 6144, 1, True), (4160, 1040, 3, True)]:  # K = 32.5 k-blocks
+    # (K, N, splits, bias): the split path, the direct path with bias, a masked tail (K = 32.5 k-blocks)
+    for k, n, splits, bias in [(2048, 2048, 8, False), (4096, 6144, 1, True), (4160, 1040, 3, True)]:
         tlin.skinny_linear(torch.randn(3, k, **bf), torch.randn(n, k, **bf), num_splits=splits,
                            bias=torch.randn(n, **bf) if bias else None)  # fmt: skip
     failures = 0
     print(f"{'kernel':<24}{'smem':>8}  {'registers':<22}checks")
-    for fn, needs in [(tlin._skinny_kernel, ("cp.async.cg", "wgmma")), (tlin._splitk_reduce_kernel, ("v4.b32",))]:
+    checks = [(tlin._skinny_kernel, ("cp.async.cg", "wgmma")), (tlin._splitk_reduce_kernel, ("v4.b32",))]
+    for fn, needs in checks:
         compiled = list(fn.device_caches[0][0].values())
         failures += not compiled
         for kern in compiled:
@@ -99,47 +102,94 @@ def copy_bandwidth() -> float:
     """GB/s of a 1 GiB device-to-device copy, counting bytes read plus bytes written."""
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    gbs = 2 * src.numel() / (_ms(lambda: dst.copy_(src)) * 1e-3) / 1e9
-    del src, dst
-    return gbs
+    return 2 * src.numel() / (_ms(lambda: dst.copy_(src)) * 1e-3) / 1e9
+
+
+def _graph_us(op, x: torch.Tensor, ws: list) -> float:
+    """Per-call time of `op` inside one CUDA graph that runs it once on every weight copy (as decode
+    does: no launch overhead, back-to-back kernels, each W cold in L2)."""
+    for w in ws:  # compiles outside the capture
+        op(x, w)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for w in ws:
+            op(x, w)
+    return _ms(graph.replay) * 1e3 / len(ws)
+
+
+def _eager_us(op, x: torch.Tensor, ws: list) -> float:
+    """Median of single eager calls (do_bench flushes L2 before each), cycling through the copies."""
+    cycle = itertools.cycle(ws)
+    return _ms(lambda: op(x, next(cycle))) * 1e3
 
 
 def bench_shape(k: int, n: int, batches, copy_gbs: float) -> list[tuple]:
-    """Rows (shape, M, cuBLAS us, Triton us, Triton GB/s, % of copy) for one weight shape."""
+    """Rows (M, cuBLAS graph us, Triton graph us, cuBLAS eager us, Triton eager us, Triton graph GB/s,
+    fraction of copy bandwidth) for one weight shape."""
     from kernels import triton_linear as tlin
 
+    cublas = lambda x, w: torch.nn.functional.linear(x, w)  # noqa: E731 - both allocate their output
     bytes_w = n * k * 2
     copies = max(2, -(-ROTATE_BYTES // bytes_w))
     ws = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * k**-0.5 for _ in range(copies)]
     rows = []
     for m in batches:
         x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
-        err = (tlin.skinny_linear(x, ws[0]).float() - torch.nn.functional.linear(x, ws[0]).float()).abs().max()
+        err = (tlin.skinny_linear(x, ws[0]).float() - cublas(x, ws[0]).float()).abs().max()
         if not err <= 3e-2:  # NaN fails too
             print(f"MISMATCH K={k} N={n} M={m}: max |triton - cuBLAS| = {err.item():.3g}")
-        cyc_a, cyc_b = itertools.cycle(ws), itertools.cycle(ws)  # both allocate their output
-        t_cublas = _ms(lambda: torch.nn.functional.linear(x, next(cyc_a)))
-        t_triton = _ms(lambda: tlin.skinny_linear(x, next(cyc_b)))
-        gbs = (bytes_w + 2 * m * (k + n)) / (t_triton * 1e-3) / 1e9
-        rows.append((m, t_cublas * 1e3, t_triton * 1e3, gbs, gbs / copy_gbs))
+        t_cub, t_tri = _graph_us(cublas, x, ws), _graph_us(tlin.skinny_linear, x, ws)
+        e_cub, e_tri = _eager_us(cublas, x, ws), _eager_us(tlin.skinny_linear, x, ws)
+        gbs = (bytes_w + 2 * m * (k + n)) / (t_tri * 1e-6) / 1e9
+        rows.append((m, t_cub, t_tri, e_cub, e_tri, gbs, gbs / copy_gbs))
     del ws
     torch.cuda.empty_cache()
     return rows
+
+
+SWEEP = [  # (BLOCK_N, BLOCK_K, num_warps, num_stages, PROGRAMS_PER_SM); the first is the shipped default
+    (64, 128, 4, 4, 4), (64, 128, 4, 3, 8), (64, 256, 4, 3, 4), (64, 256, 4, 2, 4), (32, 256, 4, 3, 4),
+    (32, 128, 4, 4, 8), (128, 128, 8, 3, 4), (64, 512, 4, 2, 2), (16, 256, 2, 4, 8), (64, 128, 4, 6, 4),
+]  # fmt: skip
+
+
+def sweep() -> None:
+    """Graph-mode us per call for each SWEEP config (module constants patched), next to cuBLAS."""
+    from kernels import triton_linear as tlin
+
+    print("configs (BLOCK_N, BLOCK_K, warps, stages, programs/SM):", SWEEP)
+    for name, k, n in SHAPES:
+        copies = max(2, -(-ROTATE_BYTES // (n * k * 2)))
+        ws = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") for _ in range(copies)]
+        for m in (1, 8):
+            x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+            times = [_graph_us(lambda x, w: torch.nn.functional.linear(x, w), x, ws)]
+            for cfg in SWEEP:
+                tlin.BLOCK_N, tlin.BLOCK_K, tlin.NUM_WARPS, tlin.NUM_STAGES, tlin.PROGRAMS_PER_SM = cfg
+                times.append(_graph_us(tlin.skinny_linear, x, ws))
+            print(f"{name:<11} M={m:<2} cuBLAS {times[0]:7.2f} | " + " ".join(f"{t:7.2f}" for t in times[1:]))
+        del ws
+        torch.cuda.empty_cache()
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--compile-only", action="store_true", help="build for sm_90 on CPU, no GPU needed")
     parser.add_argument("--no-tests", action="store_true", help="skip the gpu-marked linear tests")
+    parser.add_argument("--sweep", action="store_true", help="time a few tile configs (GPU)")
     args = parser.parse_args()
     if args.compile_only:
         return compile_only()
     if not torch.cuda.is_available():
         print("no CUDA device: run with --compile-only, or on a GPU machine")
         return 1
+    if args.sweep:
+        sweep()
+        return 0
     tests_rc = 0  # timings still run after a failed check: one GPU session should report both
     if not args.no_tests:
-        cmd = [sys.executable, "-m", "pytest", "-q", "--tb=short", "-m", "gpu", "tests/test_kernels_linear.py"]
+        test_file = "tests/test_kernels_linear.py"
+        cmd = [sys.executable, "-m", "pytest", "-q", "--tb=short", "-m", "gpu", test_file]
         tests_rc = subprocess.run(cmd, cwd=ROOT).returncode
     copy_gbs = copy_bandwidth()
     table, failed = [], []
@@ -149,10 +199,13 @@ def main() -> int:
         except Exception:  # noqa: BLE001 - report and go on to the next shape
             traceback.print_exc()
             failed.append(name)
-    print(f"\n{torch.cuda.get_device_name()}: device copy {copy_gbs:.0f} GB/s (read + write); times in us")
-    print(f"{'shape':<12}{'M':>3}{'cuBLAS':>9}{'triton':>9}{'speedup':>9}{'GB/s':>7}{'of copy':>9}")
-    for name, m, t_cub, t_tri, gbs, frac in table:
-        print(f"{name:<12}{m:>3}{t_cub:>9.2f}{t_tri:>9.2f}{t_cub / t_tri:>8.2f}x{gbs:>7.0f}{frac:>9.0%}")
+    print(f"\n{torch.cuda.get_device_name()}: device copy {copy_gbs:.0f} GB/s (read + write); times in us;")
+    print("graph = per call inside a CUDA graph (as decode runs); eager = single do_bench calls")
+    head = ["shape", "M", "cuBLAS", "triton", "speedup", "GB/s", "of copy", "eager cuBLAS", "eager triton"]
+    print("{:<12}{:>3}{:>9}{:>9}{:>9}{:>7}{:>9}{:>14}{:>14}".format(*head))
+    for name, m, t_cub, t_tri, e_cub, e_tri, gbs, frac in table:
+        print(f"{name:<12}{m:>3}{t_cub:>9.2f}{t_tri:>9.2f}{t_cub / t_tri:>8.2f}x{gbs:>7.0f}{frac:>9.0%}"
+              f"{e_cub:>14.2f}{e_tri:>14.2f}")  # fmt: skip
     if failed:
         print(f"SHAPES THAT FAILED: {', '.join(failed)} (tracebacks above)")
     if tests_rc:

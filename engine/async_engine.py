@@ -105,19 +105,40 @@ class AsyncEngine:
     def _apply_inbox(self) -> None:
         with self._lock:
             inbox, self._inbox = self._inbox, []
+        deferred: list = []  # adds the scheduler queue has no room for yet, in arrival order
         for item in inbox:
             if item[0] == "add":
-                _, rid, ids, params = item
-                try:
-                    self.engine.add_request(ids, params, request_id=rid)
-                except EngineError as exc:  # e.g. the queue filled up since submit() checked it
-                    self._deliver(_error_output(rid, str(exc)))
-                    continue
-                self.engine.faults.check("loop", self.engine.requests[rid])
+                if not self._add(item):
+                    deferred.append(item)
+            elif any(d[1] == item[1] for d in deferred):  # aborted before the engine took it
+                deferred = [d for d in deferred if d[1] != item[1]]
+                self.engine.stats["num_aborts"] += 1
+                self._deliver(_final_output(item[1], "abort"))
             else:
                 out = self.engine.abort(item[1])
                 if out is not None:
                     self._deliver(out)
+        if deferred:  # ahead of newer items, so that FCFS order holds
+            with self._lock:
+                self._inbox[:0] = deferred
+
+    def _add(self, item: tuple) -> bool:
+        """Hand one accepted request to the engine; False when its queue is full for now.
+
+        submit() admitted the request against the engine's capacity (its sink holds the place), but
+        the scheduler's queue can have grown since (requests accepted in the same pass, preempted
+        sequences): the request then waits in the inbox instead of failing after the caller was told
+        it was accepted."""
+        _, rid, ids, params = item
+        try:
+            self.engine.add_request(ids, params, request_id=rid)
+        except QueueFullError:
+            return False
+        except EngineError as exc:
+            self._deliver(_final_output(rid, "error", str(exc)))
+            return True
+        self.engine.faults.check("loop", self.engine.requests[rid])
+        return True
 
     def _deliver(self, out: RequestOutput) -> None:
         with self._lock:
@@ -134,12 +155,13 @@ class AsyncEngine:
             sinks, self._sinks = self._sinks, {}
         for rid, sink in sinks.items():
             try:
-                sink(_error_output(rid, message))
+                sink(_final_output(rid, "error", message))
             except Exception:
                 log.exception("output callback for %s failed", rid)
 
 
-def _error_output(request_id: str, message: str) -> RequestOutput:
+def _final_output(request_id: str, reason: str, message: str | None = None) -> RequestOutput:
+    """The one final output of a request the LLMEngine never held (failed or aborted on the way in)."""
     return RequestOutput(
-        request_id, [CompletionDelta(0, [], "", finish_reason="error", error=message)], True, 0, 0
+        request_id, [CompletionDelta(0, [], "", finish_reason=reason, error=message)], True, 0, 0
     )

@@ -34,11 +34,12 @@ INTERPRETER_SMS = 2  # stand-in SM count under TRITON_INTERPRET (CPU tensors): s
 # Runtime ints that vary per layer or per shape are not specialised, so no value triggers a recompile.
 @triton.jit(do_not_specialize=["window", "num_splits"])
 def _decode_split_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, part_o_ptr, part_lse_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, part_o_ptr, part_lse_ptr, out_ptr,
     stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-    scale, softcap, window, num_splits,
+    stride_ob, stride_oh, scale, softcap, window, num_splits,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr,
+    DIRECT: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0).to(tl.int64)
     kh = tl.program_id(1)
@@ -75,6 +76,10 @@ def _decode_split_kernel(
 
     has = l_i > 0.0  # false only for an empty split
     o = acc / tl.where(has, l_i, 1.0)[:, None]
+    if DIRECT:  # a single split is the whole answer: skip the partial buffers and the reduce kernel
+        out_offs = b * stride_ob + heads[:, None] * stride_oh + d[None, :]
+        tl.store(out_ptr + out_offs, o.to(out_ptr.dtype.element_ty), mask=q_mask)
+        return
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
     # Partial buffers: part_lse [B, Hq, S], part_o [B, Hq, S, HEAD_DIM], both contiguous fp32.
     row = (b * (tl.num_programs(1) * GROUP) + heads) * num_splits + split
@@ -181,15 +186,17 @@ def decode_attention(
     part_o, part_lse = _alloc_partials(batch, num_q_heads, num_splits, head_dim, q.device)
     block_d = triton.next_power_of_2(head_dim)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, part_o, part_lse,
+        q, k_cache, v_cache, block_tables, seq_lens, part_o, part_lse, out,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        scale, softcap or 0.0, sliding_window or 0, num_splits,
+        out.stride(0), out.stride(1), scale, softcap or 0.0, sliding_window or 0, num_splits,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
         PAGE=page, BLOCK_N=block_n, HAS_SOFTCAP=softcap is not None,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=num_warps, num_stages=num_stages,
+        DIRECT=num_splits == 1, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
+    if num_splits == 1:
+        return out
     _decode_reduce_kernel[(batch, num_q_heads)](
         part_o, part_lse, out, out.stride(0), out.stride(1), num_splits,
         HEAD_DIM=head_dim, BLOCK_D=block_d, MAX_SPLITS=MAX_SPLITS, num_warps=4,

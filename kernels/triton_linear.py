@@ -85,7 +85,7 @@ def _skinny_kernel(
 def _splitk_reduce_kernel(
     part_ptr, bias_ptr, out_ptr, M, N, stride_om, num_splits, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr
 ):
-    """out[m, n] = sum_s part[s, m, n] (+ bias[n]), summed in split order (deterministic). Grid (M, N/BLOCK)."""
+    """out[m, n] = sum_s part[s, m, n] (+ bias[n]) in split order (deterministic); grid (M, N / BLOCK)."""
     m = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
@@ -121,7 +121,9 @@ def _check(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: tor
     if x.shape[0] > BLOCK_M:
         raise ValueError(f"skinny_linear: M = {x.shape[0]} rows; at most {BLOCK_M} (use F.linear above)")
     if x.dtype != w.dtype or w.stride(1) != 1 or x.stride(1) != 1:
-        raise ValueError("skinny_linear: x and w need one dtype and a contiguous last dim (call .contiguous())")
+        raise ValueError(
+            "skinny_linear: x and w need one dtype and a contiguous last dim (call .contiguous())"
+        )
     if bias is not None and (bias.shape != (w.shape[0],) or not bias.is_contiguous()):
         raise ValueError(f"skinny_linear: bias must be a contiguous [{w.shape[0]}] vector")
     want = (x.shape[0], w.shape[0])

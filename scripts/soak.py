@@ -4,15 +4,18 @@
     python -m scripts.soak --serve-config serve_config.yaml --minutes 10    # starts `serve run` itself
     MINSERVE_API_KEY=... python -m scripts.soak ...                          # server with an API key
 
-It runs `locust -f loadtests/ --headless --workload W2` (streaming, closed loop) while it samples the
-engine replica's resident memory from GET /v1/engine/stats (`pid`, `rss_bytes`) every `--sample-s`.
-It fails (exit 1) unless:
-  * Locust recorded 0 failed requests (HTTP errors, error events, streams without [DONE]) and > 0 ok;
-  * once the server is idle, the KV audit (GET /v1/engine/audit) is clean and no block is in use;
-  * the replica's RSS after warm-up (the first `--warmup-s`, default min(60 s, 20% of the run))
-    never grows more than `--max-rss-growth` (5%) above its value at the end of warm-up;
-  * the replica was not replaced during the run (same pid throughout).
-Reports: PREFIX.json and PREFIX.md with `--out PREFIX` (Locust's CSV files next to them).
+It runs `locust -f loadtests/ --headless --workload W2` (streaming, closed loop) twice: a warm-up
+run of `--warmup-s` (default min(60 s, 20% of the run)), then the main run for the rest. After each,
+once the server is idle, it reads the engine replica's resident memory (GET /v1/engine/stats: `pid`,
+`rss_bytes`); idle readings compare like with like, while under load the RSS swings by tens of MB
+with the activations in flight (sampled every `--sample-s` for the report). It fails (exit 1) unless:
+  * Locust recorded 0 failed requests in both runs (HTTP errors, error events, streams without
+    [DONE]) and more than 0 successful ones;
+  * after the run the KV audit (GET /v1/engine/audit) is clean and no KV block is in use;
+  * the idle RSS at the end is less than `--max-rss-growth` (5%) above the idle RSS after warm-up;
+  * the replica was not replaced during the run (one pid throughout).
+Reports: PREFIX.json and PREFIX.md with `--out PREFIX` (Locust's CSV files next to them:
+PREFIX_stats.csv for the main run, PREFIX_warmup_stats.csv for the warm-up).
 
 Locust and the API key: when MINSERVE_API_KEY is set, this file is also handed to Locust as a second
 locustfile; imported there, it adds the bearer header to every `requests` session (the load test's
@@ -56,108 +59,117 @@ if __name__ != "__main__" and "locust" in sys.modules:
 # ---------------------------------------------------------------- the soak run
 
 
-def _locust_cmd(args, prefix: Path, with_auth: bool) -> list[str]:
+def _locust_cmd(args, prefix: Path, seconds: float, with_auth: bool) -> list[str]:
     files = "loadtests/" + (f",{Path(__file__).resolve()}" if with_auth else "")
     users = str(args.users)
     return [sys.executable, "-m", "locust", "-f", files, "--host", args.url, "--headless"] + [
-        "-u", users, "-r", users, "-t", f"{int(args.duration_s)}s", "--workload", "W2",
+        "-u", users, "-r", users, "-t", f"{max(1, round(seconds))}s", "--workload", "W2",
         "--csv", str(prefix), "--only-summary", "--stop-timeout", "30",
     ]  # fmt: skip
 
 
-def _stats(http) -> dict:
-    return http.get("/v1/engine/stats").json()
-
-
-def sample_memory(http, proc: subprocess.Popen, every_s: float) -> list[dict]:
-    """(time since start, pid, rss) of the engine replica until the Locust process ends."""
-    start, samples = time.monotonic(), []
-    while True:
-        s = _stats(http)
-        samples.append({"t": round(time.monotonic() - start, 1), "pid": s.get("pid"), "rss": s.get("rss_bytes")})
-        try:
-            proc.wait(timeout=every_s)
-            return samples
-        except subprocess.TimeoutExpired:
-            pass
-
-
-def rss_growth(samples: list[dict], warmup_s: float) -> dict:
-    """Growth of the max RSS after warm-up over the RSS at the end of warm-up."""
-    warm = [s for s in samples if s["t"] >= warmup_s and s["rss"]]
-    if len(warm) < 2:
-        return {"warm_rss": None, "max_rss_after": None, "growth": None}
-    base, peak = warm[0]["rss"], max(s["rss"] for s in warm)
-    return {"warm_rss": base, "max_rss_after": peak, "growth": round(peak / base - 1, 4)}
+def run_locust(args, http, prefix: Path, seconds: float, key: str) -> tuple[int, str, list[dict]]:
+    """One headless Locust run; samples the replica's (pid, rss) every `sample_s` while it runs."""
+    env = {**os.environ, "MINSERVE_GEN_SCALE": str(args.gen_scale), "MINSERVE_API_KEY": key}
+    proc = subprocess.Popen(
+        _locust_cmd(args, prefix, seconds, bool(key)), cwd=ROOT, env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    samples = []
+    try:
+        while True:
+            s = http.get("/v1/engine/stats").json()
+            samples.append({"t": round(time.time(), 1), "pid": s.get("pid"), "rss": s.get("rss_bytes")})
+            try:
+                proc.wait(timeout=args.sample_s)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return proc.returncode, proc.stdout.read() if proc.stdout else "", samples
 
 
 def locust_totals(prefix: Path) -> dict:
     rows = list(csv.DictReader(open(f"{prefix}_stats.csv")))
     by_type = {r["Type"]: r for r in rows if r["Name"].startswith("W2")}
-    post = by_type.get("POST", {})
 
-    def pct(kind: str, col: str) -> float | None:
+    def num(kind: str, col: str) -> float | None:
         row = by_type.get(kind)
         return float(row[col]) if row and row[col] not in ("", "N/A") else None
 
     return {
-        "requests": int(post.get("Request Count", 0)),
+        "requests": int(num("POST", "Request Count") or 0),
         "failures": sum(int(r["Failure Count"]) for r in rows if r["Name"] != "Aggregated"),
-        "requests_per_s": round(float(post.get("Requests/s", 0)), 2),
-        "ttft_ms": {"p50": pct("TTFT", "50%"), "p95": pct("TTFT", "95%")},
-        "itl_ms": {"p50": pct("ITL", "50%"), "p95": pct("ITL", "95%")},
-        "e2e_ms": {"p50": pct("E2E", "50%"), "p95": pct("E2E", "95%")},
+        "requests_per_s": round(num("POST", "Requests/s") or 0.0, 2),
+        "ttft_ms": {"p50": num("TTFT", "50%"), "p95": num("TTFT", "95%")},
+        "itl_ms": {"p50": num("ITL", "50%"), "p95": num("ITL", "95%")},
+        "e2e_ms": {"p50": num("E2E", "50%"), "p95": num("E2E", "95%")},
     }
 
 
-def wait_idle(http, timeout_s: float = 60.0) -> dict:
+def idle_rss(http, timeout_s: float = 60.0) -> tuple[dict, int | None]:
+    """Wait until the engine is idle (no stream, nothing running or waiting, no KV block held); then
+    the replica's RSS, the median of 5 readings 0.2 s apart. Idle readings compare like with like:
+    under load the RSS swings by tens of MB with the activations of whatever is running."""
     deadline = time.monotonic() + timeout_s
     while True:
-        s = _stats(http)
+        s = http.get("/v1/engine/stats").json()
         busy = any(s[k] for k in ("kv_blocks_used", "num_running", "num_waiting", "ongoing_requests"))
         if not busy or time.monotonic() > deadline:
-            return s
+            break
         time.sleep(0.2)
+    readings = []
+    for _ in range(5):
+        readings.append(http.get("/v1/engine/stats").json().get("rss_bytes"))
+        time.sleep(0.2)
+    return s, (None if None in readings else sorted(readings)[2])
 
 
 def soak(args) -> dict:
+    """Warm-up run, idle RSS; main run, idle RSS, KV audit. Locust failures of both runs count."""
     import httpx
 
     key = args.api_key or os.environ.get("MINSERVE_API_KEY") or ""
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     prefix = Path(args.out or f"{os.environ.get('TMPDIR', '/tmp')}/minserve_soak")
     prefix.parent.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "MINSERVE_GEN_SCALE": str(args.gen_scale), "MINSERVE_API_KEY": key}
+    warm_prefix = prefix.with_name(prefix.name + "_warmup")
     with httpx.Client(base_url=args.url, headers=headers, timeout=30) as http:
-        proc = subprocess.Popen(
-            _locust_cmd(args, prefix, bool(key)), cwd=ROOT, env=env, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True,
-        )  # fmt: skip
-        try:
-            samples = sample_memory(http, proc, args.sample_s)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-        output = proc.stdout.read() if proc.stdout else ""
-        stats = wait_idle(http)
+        warm_rc, warm_out, warm_samples = run_locust(args, http, warm_prefix, args.warmup_s, key)
+        _, rss_warm = idle_rss(http)
+        rc, out, samples = run_locust(args, http, prefix, args.duration_s - args.warmup_s, key)
+        stats, rss_end = idle_rss(http)
         time.sleep(0.6)  # the engine refreshes its audit at its next idle pass (at most 0.5 s apart)
         audit = http.get("/v1/engine/audit").json()["problems"]
+    warm, main_run = locust_totals(warm_prefix), locust_totals(prefix)
+    growth = round(rss_end / rss_warm - 1, 4) if rss_warm and rss_end else None
+    t0 = warm_samples[0]["t"] if warm_samples else 0
     report = {
         "duration_s": args.duration_s,
+        "warmup_s": args.warmup_s,
         "users": args.users,
         "gen_scale": args.gen_scale,
-        "warmup_s": args.warmup_s,
-        "locust_exit_code": proc.returncode,
-        **locust_totals(prefix),
-        "rss": rss_growth(samples, args.warmup_s),
-        "replica_pids": sorted({s["pid"] for s in samples}),
+        "locust_exit_codes": [warm_rc, rc],
+        "warmup": {"requests": warm["requests"], "failures": warm["failures"]},
+        **main_run,
+        "failures": warm["failures"] + main_run["failures"],
+        "rss": {
+            "idle_after_warmup": rss_warm,
+            "idle_at_end": rss_end,
+            "growth": growth,
+            "max_under_load": max((s["rss"] or 0 for s in samples), default=None),
+        },
+        "replica_pids": sorted({s["pid"] for s in warm_samples + samples}),
         "kv_blocks_used_after": stats["kv_blocks_used"],
         "audit_problems": audit,
-        "rss_samples": samples,
+        "rss_samples": [{**s, "t": round(s["t"] - t0, 1)} for s in warm_samples + samples],
     }
-    growth = report["rss"]["growth"]
     report["ok"] = bool(
-        proc.returncode == 0
+        warm_rc == 0
+        and rc == 0
         and report["requests"] > 0
         and report["failures"] == 0
         and not audit
@@ -167,7 +179,7 @@ def soak(args) -> dict:
         and len(report["replica_pids"]) == 1
     )
     if not report["ok"]:
-        report["locust_output_tail"] = output[-3000:]
+        report["locust_output_tail"] = (warm_out[-1500:] + "\n...\n" + out[-3000:]).strip()
     return report
 
 
@@ -196,7 +208,7 @@ def start_server(config: str, url: str) -> subprocess.Popen:
 
 def _markdown(r: dict) -> str:
     rss = r["rss"]
-    mib = (lambda b: f"{b / 2**20:.0f} MiB") if rss["warm_rss"] else (lambda b: "n/a")
+    mib = lambda b: f"{b / 2**20:.0f} MiB" if b else "n/a"  # noqa: E731
     return (
         f"# Soak: Locust W2, {r['duration_s'] / 60:.1f} min, {r['users']} users, "
         f"generation x{r['gen_scale']}\n\nResult: **{'PASS' if r['ok'] else 'FAIL'}**\n\n"
@@ -204,8 +216,9 @@ def _markdown(r: dict) -> str:
         f"|---|---|---|---|---|---|\n| {r['requests']} | {r['failures']} | {r['requests_per_s']} | "
         f"{r['ttft_ms']['p50']} / {r['ttft_ms']['p95']} | {r['itl_ms']['p50']} / {r['itl_ms']['p95']} | "
         f"{r['e2e_ms']['p50']} / {r['e2e_ms']['p95']} |\n\n"
-        f"* engine replica RSS: {mib(rss['warm_rss'])} after {r['warmup_s']:.0f} s warm-up, at most "
-        f"{mib(rss['max_rss_after'])} afterwards (growth {rss['growth']}; limit 0.05)\n"
+        f"* engine replica RSS, idle: {mib(rss['idle_after_warmup'])} after the {r['warmup_s']:.0f} s "
+        f"warm-up, {mib(rss['idle_at_end'])} at the end: growth {rss['growth']} (limit 0.05); "
+        f"at most {mib(rss['max_under_load'])} under load\n"
         f"* replica pid(s): {r['replica_pids']}; KV blocks in use after: {r['kv_blocks_used_after']}; "
         f"audit problems: {r['audit_problems'] or 'none'}\n"
     )

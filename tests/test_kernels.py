@@ -222,6 +222,7 @@ DECODE_CASES = [
     (4, 2, 128, 32, None, None, [33, 7, 64], 3),
     (8, 1, 64, 16, 20, None, [50, 3, 70], 5),
     (4, 2, 64, 32, 16, 30.0, [45, 1], 7),  # more splits than tiles: empty splits must merge cleanly
+    (2, 2, 64, 16, 24, 25.0, [33, 5, 90], 1),  # one split: stage 1 writes the output, no reduce
 ]
 
 

@@ -67,8 +67,12 @@ def _reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = Non
     [(1, 64, 256, None), (3, 100, 300, None), (16, 70, 130, 3), (5, 33, 1000, 8), (2, 130, 17, None)],
 )
 def test_matches_torch_interpreted(dtype, m: int, n: int, k: int, splits: int | None) -> None:
-    """Odd N (partial last tile), odd K (masked last k-block), M up to 16, split-K with a short last split."""
-    x, w, bias = _rand(m, k, seed=1, dtype=dtype), _rand(n, k, seed=2, dtype=dtype), _rand(n, seed=3, dtype=dtype)
+    """Odd N (partial last tile), odd K (masked last k-block), M up to 16, split-K, short last split."""
+    x, w, bias = (
+        _rand(m, k, seed=1, dtype=dtype),
+        _rand(n, k, seed=2, dtype=dtype),
+        _rand(n, seed=3, dtype=dtype),
+    )
     for b in (None, bias):
         out = torch.full((m, n), float("nan"), dtype=dtype)
         got = tlin.skinny_linear(x, w, out=out, bias=b, num_splits=splits)
@@ -84,7 +88,9 @@ def test_strided_rows_and_out_interpreted() -> None:
     w = _rand(48, 160, seed=5, dtype=torch.float32)
     out_buf = torch.full((4, 80), float("nan"))
     tlin.skinny_linear(x_buf[:, :160], w, out=out_buf[:, 16:64], num_splits=2)
-    torch.testing.assert_close(out_buf[:, 16:64].double(), _reference(x_buf[:, :160], w), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        out_buf[:, 16:64].double(), _reference(x_buf[:, :160], w), atol=1e-4, rtol=1e-4
+    )
     assert out_buf[:, :16].isnan().all() and out_buf[:, 64:].isnan().all()
 
 
