@@ -22,8 +22,8 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from app.engine_client import EngineClient, EngineStream, call_failure, cancel_all, merge
 from app import security
+from app.engine_client import EngineClient, EngineStream, call_failure, cancel_all, merge
 from app.errors import ApiError, from_engine_error, internal
 from app.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from app.sse import DONE, ResponseAssembler, item_error, sse_error

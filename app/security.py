@@ -93,7 +93,9 @@ class SecurityMiddleware:
                 await _send_error(send, 400, "Content-Length: not a number", "invalid_content_length")
                 return
             if int(declared) > cfg.max_body_bytes:
-                await _send_error(send, 413, _too_large(cfg.max_body_bytes, int(declared)), "request_too_large")
+                await _send_error(
+                    send, 413, _too_large(cfg.max_body_bytes, int(declared)), "request_too_large"
+                )
                 return
         body = await _read_body(receive, cfg.max_body_bytes)
         if body is _TOO_LARGE:

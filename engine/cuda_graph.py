@@ -14,6 +14,7 @@ import torch
 
 from engine.attention_context import attention_context
 from engine.step_inputs import StepBatch, pack, unpack
+from engine.uploader import Uploader
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
 
@@ -78,13 +79,13 @@ class DecodeGraphs:
         """The smallest captured batch size that holds `batch` decodes, or None when none does."""
         return next((b for b in self.buckets if b >= batch), None)
 
-    def run(self, batch: StepBatch) -> torch.Tensor:
+    def run(self, batch: StepBatch, upload: Uploader) -> torch.Tensor:
         """Copy this step's inputs into the bucket's buffers, replay its graph, return hidden[:B]."""
         n = len(batch.seq_lens)
         bs = self.bucket(n)
         i64, i32 = pack(batch, bs, self.width)
         static64, static32 = self.inputs[bs]
-        static64.copy_(i64.pin_memory(), non_blocking=True)
-        static32.copy_(i32.pin_memory(), non_blocking=True)
+        upload("i64", i64, out=static64)
+        upload("i32", i32, out=static32)
         self.graphs[bs].replay()
         return self.hidden[:n]

@@ -257,7 +257,7 @@ class LLMEngine:
             request.num_prompt,
             request.completion_tokens,
             request.cached_tokens,
-            _copy(request.metrics),
+            request.metrics,
         )
 
     # ------------------------------------------------------------------ introspection
@@ -275,10 +275,6 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             **self.stats,
         }
-
-
-def _copy(metrics):
-    return type(metrics)(**vars(metrics))
 
 
 OnOutput = Callable[[RequestOutput], None]

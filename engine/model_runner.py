@@ -17,9 +17,10 @@ from engine.loader import load_model
 from engine.model_config import ModelConfig
 from engine.models.layers import Attention
 from engine.request import Sequence
-from engine.sampler import PendingSample, Sampler, SamplingRow, upload
+from engine.sampler import PendingSample, Sampler, SamplingRow
 from engine.scheduler import SchedulerOutput
 from engine.step_inputs import StepBatch, build_batch, pack, unpack
+from engine.uploader import Uploader
 
 _DTYPES = {
     "float32": torch.float32,
@@ -58,6 +59,7 @@ class ModelRunner:
         for layer, (k_cache, v_cache) in zip(attn_layers, self.kv_caches, strict=True):
             layer.k_cache, layer.v_cache = k_cache, v_cache
         self.sampler = Sampler(self.model_config.vocab_size, self.device)
+        self.upload = Uploader(self.device)
         self.generators: dict[int, torch.Generator] = {}
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not config.load.enforce_eager:
@@ -82,21 +84,19 @@ class ModelRunner:
         if not batch.samplers:
             return None
         if batch.logit_rows != list(range(len(batch.input_ids))):  # decode steps sample every row
-            hidden = hidden.index_select(0, upload(batch.logit_rows, torch.long, self.device))
+            hidden = hidden.index_select(0, self.upload.values("logit_rows", batch.logit_rows, torch.long))
         logits = self.model.compute_logits(hidden)
         if batch.sample_rows != list(range(len(batch.logit_rows))):  # n > 1 siblings share a row
-            logits = logits.index_select(0, upload(batch.sample_rows, torch.long, self.device))
+            logits = logits.index_select(0, self.upload.values("sample_rows", batch.sample_rows, torch.long))
         return self.sampler(logits, [self._sampling_row(s) for s in batch.samplers])
 
     def _forward(self, batch: StepBatch) -> torch.Tensor:
         n = len(batch.seq_lens)
         if self.graphs is not None and batch.is_decode and self.graphs.bucket(n) is not None:
-            return self.graphs.run(batch)
+            return self.graphs.run(batch, self.upload)
         width = max(len(t) for t in batch.block_tables)
         i64, i32 = pack(batch, n, width)
-        if self.device.type == "cuda":
-            i64 = i64.pin_memory().to(self.device, non_blocking=True)
-            i32 = i32.pin_memory().to(self.device, non_blocking=True)
+        i64, i32 = self.upload("i64", i64), self.upload("i32", i32)
         input_ids, positions, meta = unpack(i64, i32, batch, n, width, self.block_size)
         with attention_context(meta):
             return self.model(input_ids, positions)
@@ -106,8 +106,8 @@ class ModelRunner:
         """Copy-on-write: duplicate shared blocks (all layers) before anyone writes into the copies."""
         if not copies:
             return
-        src = upload([s for s, _ in copies], torch.long, self.device)
-        dst = upload([d for _, d in copies], torch.long, self.device)
+        src = self.upload.values("cow_src", [s for s, _ in copies], torch.long)
+        dst = self.upload.values("cow_dst", [d for _, d in copies], torch.long)
         for k_cache, v_cache in self.kv_caches:
             k_cache[dst] = k_cache[src]
             v_cache[dst] = v_cache[src]

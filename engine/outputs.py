@@ -42,4 +42,4 @@ class RequestOutput:
     prompt_tokens: int
     completion_tokens: int  # over all samples, so far
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    metrics: RequestMetrics | None = None
+    metrics: RequestMetrics | None = None  # the request's live timestamps (updated by the engine thread)

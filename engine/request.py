@@ -45,18 +45,18 @@ class Sequence:
     finish_reason: str | None = None
     error: str | None = None
     state: dict[str, Any] = field(default_factory=dict)  # per-sample helpers owned by the output processor
+    num_prompt: int = field(init=False)  # a plain attribute: read for every token on the hot path
+
+    def __post_init__(self) -> None:
+        self.num_prompt = len(self.request.prompt_ids)
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
     @property
-    def num_prompt(self) -> int:
-        return self.request.num_prompt
-
-    @property
     def num_output(self) -> int:
-        return len(self.token_ids) - self.request.num_prompt
+        return len(self.token_ids) - self.num_prompt
 
     @property
     def output_ids(self) -> list[int]:
@@ -87,15 +87,13 @@ class Request:
     aborted: bool = False
     cached_tokens: int = 0
     metrics: RequestMetrics = field(init=False)
+    num_prompt: int = field(init=False)
 
     def __post_init__(self) -> None:
+        self.num_prompt = len(self.prompt_ids)
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
         self.seqs.append(Sequence(self, 0, list(self.prompt_ids)))
         self.forked = self.params.n == 1
-
-    @property
-    def num_prompt(self) -> int:
-        return len(self.prompt_ids)
 
     @property
     def finished(self) -> bool:

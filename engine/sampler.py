@@ -14,12 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.sampling_params import SamplingParams
-
-
-def upload(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Host list -> device tensor without stalling the GPU stream: a pinned, non-blocking copy."""
-    t = torch.tensor(values, dtype=dtype)
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+from engine.uploader import Uploader
 
 
 @dataclass
@@ -73,11 +68,15 @@ class Sampler:
     def __init__(self, vocab_size: int, device: torch.device):
         self.vocab_size = vocab_size
         self.device = device
+        self.upload = Uploader(device)
+        self._slot = 0
 
     def _t(self, values, dtype=torch.float32) -> torch.Tensor:
-        return upload(values, dtype, self.device)
+        self._slot += 1  # one pinned buffer per call site within a step
+        return self.upload.values(f"s{self._slot}", values, dtype)
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> PendingSample:
+        self._slot = 0
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if _wants_logprobs(rows) else None
         logits = self._apply_penalties(logits, rows)

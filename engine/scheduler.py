@@ -19,7 +19,7 @@ from engine.config import SchedulerConfig
 from engine.request import Request, SeqStatus, Sequence
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledChunk:
     seq: Sequence
     start: int  # first position computed this step (== seq.num_computed when scheduled)
@@ -113,7 +113,7 @@ class Scheduler:
         out.block_copies += self.bm.prepare_append(seq.table, seq.num_computed, n)
         chunk = ScheduledChunk(seq, seq.num_computed, n)
         if seq.num_computed + n == seq.num_tokens:
-            chunk.samples = [seq] + self._fork(seq)
+            chunk.samples = [seq] if seq.request.forked else [seq] + self._fork(seq)
         out.chunks.append(chunk)
 
     def _fork(self, seq: Sequence) -> list[Sequence]:

@@ -46,10 +46,17 @@ def build_batch(out: SchedulerOutput, block_size: int) -> StepBatch:
     for chunk in out.chunks:
         seq, start, end = chunk.seq, chunk.start, chunk.start + chunk.num_tokens
         blocks = seq.table.blocks
-        b.input_ids += seq.token_ids[start:end]
-        b.positions += range(start, end)
         # position p lives in block blocks[p // block_size] at offset p % block_size
-        b.slot_mapping += [blocks[p // block_size] * block_size + p % block_size for p in range(start, end)]
+        if end - start == 1:  # the decode case, kept cheap: it runs for every sequence every step
+            b.input_ids.append(seq.token_ids[start])
+            b.positions.append(start)
+            b.slot_mapping.append(blocks[start // block_size] * block_size + start % block_size)
+        else:
+            b.input_ids += seq.token_ids[start:end]
+            b.positions += range(start, end)
+            b.slot_mapping += [
+                blocks[p // block_size] * block_size + p % block_size for p in range(start, end)
+            ]
         b.query_lens.append(chunk.num_tokens)
         b.seq_lens.append(end)
         b.block_tables.append(blocks)

@@ -51,7 +51,7 @@ def _request_bytes(host: str, port: int, body: dict, api_key: str | None) -> byt
 def _response_started(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
     """Whether any response byte has arrived: already in the reader's buffer, or waiting in the socket
     (peeked on a duplicate of its descriptor, so nothing is consumed)."""
-    if reader._buffer:  # noqa: SLF001 - StreamReader has no public "bytes available"
+    if reader._buffer:  # StreamReader has no public "bytes available"
         return True
     fd = writer.get_extra_info("socket").fileno()
     with socket.fromfd(fd, socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -132,7 +132,7 @@ def _log_sizes(log_dir: Path | None) -> dict[Path, int]:
 def new_log_problems(log_dir: Path | None, before: dict[Path, int]) -> list[str]:
     """ERROR / Traceback lines written to the serve logs since `before` (file -> size)."""
     bad = []
-    for path, size in _log_sizes(log_dir).items():
+    for path in _log_sizes(log_dir):
         with open(path, "rb") as f:
             f.seek(before.get(path, 0))
             text = f.read().decode("utf-8", "replace")
@@ -157,7 +157,13 @@ def settle(http: httpx.Client, last_cut: float, limit_s: float) -> tuple[float |
 
 
 def _probe(http: httpx.Client, model: str) -> str:
-    body = {"model": model, "prompt": "The storm is over", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    body = {
+        "model": model,
+        "prompt": "The storm is over",
+        "max_tokens": 8,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     resp = http.post("/v1/completions", json=body)
     resp.raise_for_status()
     return resp.json()["choices"][0]["text"]

@@ -4,18 +4,18 @@
     python -m scripts.soak --serve-config serve_config.yaml --minutes 10    # starts `serve run` itself
     MINSERVE_API_KEY=... python -m scripts.soak ...                          # server with an API key
 
-It runs `locust -f loadtests/ --headless --workload W2` (streaming, closed loop) twice: a warm-up
-run of `--warmup-s` (default min(60 s, 20% of the run)), then the main run for the rest. After each,
-once the server is idle, it reads the engine replica's resident memory (GET /v1/engine/stats: `pid`,
-`rss_bytes`); idle readings compare like with like, while under load the RSS swings by tens of MB
-with the activations in flight (sampled every `--sample-s` for the report). It fails (exit 1) unless:
-  * Locust recorded 0 failed requests in both runs (HTTP errors, error events, streams without
-    [DONE]) and more than 0 successful ones;
-  * after the run the KV audit (GET /v1/engine/audit) is clean and no KV block is in use;
-  * the idle RSS at the end is less than `--max-rss-growth` (5%) above the idle RSS after warm-up;
+It runs `locust -f loadtests/ --headless --workload W2` (streaming, closed loop) while it reads the
+engine replica's resident memory from GET /v1/engine/stats (`pid`, `rss_bytes`) every `--sample-s`.
+It fails (exit 1) unless:
+  * Locust recorded 0 failed requests (HTTP errors, error events, streams without [DONE]) and more
+    than 0 successful ones;
+  * once the server is idle afterwards, the KV audit (GET /v1/engine/audit) is clean and no KV block
+    is in use;
+  * the RSS after warm-up (the first `--warmup-s`, default min(60 s, 20% of the run)) grows less than
+    `--max-rss-growth` (5%): the median of the last fifth of the readings after warm-up against the
+    median of the first fifth (single readings swing by tens of MB under load);
   * the replica was not replaced during the run (one pid throughout).
-Reports: PREFIX.json and PREFIX.md with `--out PREFIX` (Locust's CSV files next to them:
-PREFIX_stats.csv for the main run, PREFIX_warmup_stats.csv for the warm-up).
+Reports: PREFIX.json and PREFIX.md with `--out PREFIX`, Locust's PREFIX_*.csv next to them.
 
 Locust and the API key: when MINSERVE_API_KEY is set, this file is also handed to Locust as a second
 locustfile; imported there, it adds the bearer header to every `requests` session (the load test's
@@ -60,6 +60,7 @@ if __name__ != "__main__" and "locust" in sys.modules:
 
 
 def _locust_cmd(args, prefix: Path, seconds: float, with_auth: bool) -> list[str]:
+    """Locust W2, headless, closed loop; with a key, this file is a second locustfile (see the top)."""
     files = "loadtests/" + (f",{Path(__file__).resolve()}" if with_auth else "")
     users = str(args.users)
     return [sys.executable, "-m", "locust", "-f", files, "--host", args.url, "--headless"] + [
@@ -68,18 +69,19 @@ def _locust_cmd(args, prefix: Path, seconds: float, with_auth: bool) -> list[str
     ]  # fmt: skip
 
 
-def run_locust(args, http, prefix: Path, seconds: float, key: str) -> tuple[int, str, list[dict]]:
-    """One headless Locust run; samples the replica's (pid, rss) every `sample_s` while it runs."""
+def run_locust(args, http, prefix: Path, key: str) -> tuple[int, str, list[dict]]:
+    """The headless Locust run; samples the replica's (pid, rss) every `sample_s` while it runs."""
     env = {**os.environ, "MINSERVE_GEN_SCALE": str(args.gen_scale), "MINSERVE_API_KEY": key}
     proc = subprocess.Popen(
-        _locust_cmd(args, prefix, seconds, bool(key)), cwd=ROOT, env=env, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True,
+        _locust_cmd(args, prefix, args.duration_s, bool(key)), cwd=ROOT, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
-    samples = []
+    start, samples = time.monotonic(), []
     try:
         while True:
             s = http.get("/v1/engine/stats").json()
-            samples.append({"t": round(time.time(), 1), "pid": s.get("pid"), "rss": s.get("rss_bytes")})
+            t = round(time.monotonic() - start, 1)
+            samples.append({"t": t, "pid": s.get("pid"), "rss": s.get("rss_bytes")})
             try:
                 proc.wait(timeout=args.sample_s)
                 break
@@ -90,6 +92,28 @@ def run_locust(args, http, prefix: Path, seconds: float, key: str) -> tuple[int,
             proc.kill()
             proc.wait()
     return proc.returncode, proc.stdout.read() if proc.stdout else "", samples
+
+
+def rss_growth(samples: list[dict], warmup_s: float) -> dict:
+    """Median RSS of the last fifth of the run after warm-up over the median of its first fifth.
+
+    Medians over windows, because under load the RSS swings by tens of MB from one reading to the
+    next (activations in flight; the allocator keeps or returns freed memory as it likes): a leak
+    shows as the whole window moving up, a single reading proves nothing."""
+    after = [s for s in samples if s["t"] >= warmup_s and s["rss"]]
+    if len(after) < 6:
+        return {"first_window": None, "last_window": None, "growth": None}
+    k = max(3, len(after) // 5)
+    first = sorted(s["rss"] for s in after[:k])[k // 2]
+    last = sorted(s["rss"] for s in after[-k:])[k // 2]
+    return {
+        "first_window": first,
+        "last_window": last,
+        "growth": round(last / first - 1, 4),
+        "window_samples": k,
+        "min": min(s["rss"] for s in after),
+        "max": max(s["rss"] for s in after),
+    }
 
 
 def locust_totals(prefix: Path) -> dict:
@@ -110,66 +134,45 @@ def locust_totals(prefix: Path) -> dict:
     }
 
 
-def idle_rss(http, timeout_s: float = 60.0) -> tuple[dict, int | None]:
-    """Wait until the engine is idle (no stream, nothing running or waiting, no KV block held); then
-    the replica's RSS, the median of 5 readings 0.2 s apart. Idle readings compare like with like:
-    under load the RSS swings by tens of MB with the activations of whatever is running."""
+def wait_idle(http, timeout_s: float = 60.0) -> dict:
+    """Stats once no stream is open, nothing runs or waits and no KV block is held (or at timeout)."""
     deadline = time.monotonic() + timeout_s
     while True:
         s = http.get("/v1/engine/stats").json()
         busy = any(s[k] for k in ("kv_blocks_used", "num_running", "num_waiting", "ongoing_requests"))
         if not busy or time.monotonic() > deadline:
-            break
+            return s
         time.sleep(0.2)
-    readings = []
-    for _ in range(5):
-        readings.append(http.get("/v1/engine/stats").json().get("rss_bytes"))
-        time.sleep(0.2)
-    return s, (None if None in readings else sorted(readings)[2])
 
 
 def soak(args) -> dict:
-    """Warm-up run, idle RSS; main run, idle RSS, KV audit. Locust failures of both runs count."""
     import httpx
 
     key = args.api_key or os.environ.get("MINSERVE_API_KEY") or ""
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     prefix = Path(args.out or f"{os.environ.get('TMPDIR', '/tmp')}/minserve_soak")
     prefix.parent.mkdir(parents=True, exist_ok=True)
-    warm_prefix = prefix.with_name(prefix.name + "_warmup")
     with httpx.Client(base_url=args.url, headers=headers, timeout=30) as http:
-        warm_rc, warm_out, warm_samples = run_locust(args, http, warm_prefix, args.warmup_s, key)
-        _, rss_warm = idle_rss(http)
-        rc, out, samples = run_locust(args, http, prefix, args.duration_s - args.warmup_s, key)
-        stats, rss_end = idle_rss(http)
+        rc, output, samples = run_locust(args, http, prefix, key)
+        stats = wait_idle(http)
         time.sleep(0.6)  # the engine refreshes its audit at its next idle pass (at most 0.5 s apart)
         audit = http.get("/v1/engine/audit").json()["problems"]
-    warm, main_run = locust_totals(warm_prefix), locust_totals(prefix)
-    growth = round(rss_end / rss_warm - 1, 4) if rss_warm and rss_end else None
-    t0 = warm_samples[0]["t"] if warm_samples else 0
     report = {
         "duration_s": args.duration_s,
         "warmup_s": args.warmup_s,
         "users": args.users,
         "gen_scale": args.gen_scale,
-        "locust_exit_codes": [warm_rc, rc],
-        "warmup": {"requests": warm["requests"], "failures": warm["failures"]},
-        **main_run,
-        "failures": warm["failures"] + main_run["failures"],
-        "rss": {
-            "idle_after_warmup": rss_warm,
-            "idle_at_end": rss_end,
-            "growth": growth,
-            "max_under_load": max((s["rss"] or 0 for s in samples), default=None),
-        },
-        "replica_pids": sorted({s["pid"] for s in warm_samples + samples}),
+        "locust_exit_code": rc,
+        **locust_totals(prefix),
+        "rss": rss_growth(samples, args.warmup_s),
+        "replica_pids": sorted({s["pid"] for s in samples}),
         "kv_blocks_used_after": stats["kv_blocks_used"],
         "audit_problems": audit,
-        "rss_samples": [{**s, "t": round(s["t"] - t0, 1)} for s in warm_samples + samples],
+        "rss_samples": samples,
     }
+    growth = report["rss"]["growth"]
     report["ok"] = bool(
-        warm_rc == 0
-        and rc == 0
+        rc == 0
         and report["requests"] > 0
         and report["failures"] == 0
         and not audit
@@ -179,7 +182,7 @@ def soak(args) -> dict:
         and len(report["replica_pids"]) == 1
     )
     if not report["ok"]:
-        report["locust_output_tail"] = (warm_out[-1500:] + "\n...\n" + out[-3000:]).strip()
+        report["locust_output_tail"] = output[-3000:]
     return report
 
 
@@ -206,9 +209,12 @@ def start_server(config: str, url: str) -> subprocess.Popen:
     raise RuntimeError(f"server not healthy after 180 s; see {log.name}")
 
 
+def _mib(b: int | None) -> str:
+    return f"{b / 2**20:.0f} MiB" if b else "n/a"
+
+
 def _markdown(r: dict) -> str:
     rss = r["rss"]
-    mib = lambda b: f"{b / 2**20:.0f} MiB" if b else "n/a"  # noqa: E731
     return (
         f"# Soak: Locust W2, {r['duration_s'] / 60:.1f} min, {r['users']} users, "
         f"generation x{r['gen_scale']}\n\nResult: **{'PASS' if r['ok'] else 'FAIL'}**\n\n"
@@ -216,9 +222,9 @@ def _markdown(r: dict) -> str:
         f"|---|---|---|---|---|---|\n| {r['requests']} | {r['failures']} | {r['requests_per_s']} | "
         f"{r['ttft_ms']['p50']} / {r['ttft_ms']['p95']} | {r['itl_ms']['p50']} / {r['itl_ms']['p95']} | "
         f"{r['e2e_ms']['p50']} / {r['e2e_ms']['p95']} |\n\n"
-        f"* engine replica RSS, idle: {mib(rss['idle_after_warmup'])} after the {r['warmup_s']:.0f} s "
-        f"warm-up, {mib(rss['idle_at_end'])} at the end: growth {rss['growth']} (limit 0.05); "
-        f"at most {mib(rss['max_under_load'])} under load\n"
+        f"* engine replica RSS after the {r['warmup_s']:.0f} s warm-up: median "
+        f"{_mib(rss['first_window'])} in the first fifth, {_mib(rss['last_window'])} in the last fifth: "
+        f"growth {rss['growth']} (limit 0.05); range {_mib(rss.get('min'))} to {_mib(rss.get('max'))}\n"
         f"* replica pid(s): {r['replica_pids']}; KV blocks in use after: {r['kv_blocks_used_after']}; "
         f"audit problems: {r['audit_problems'] or 'none'}\n"
     )

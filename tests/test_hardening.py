@@ -94,13 +94,17 @@ def test_api_key_is_required_on_every_route(server, http):
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0).models.list()
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
-    out = client.completions.create(model=server.model, prompt="hi", max_tokens=3, extra_body={"ignore_eos": True})
+    out = client.completions.create(
+        model=server.model, prompt="hi", max_tokens=3, extra_body={"ignore_eos": True}
+    )
     assert out.usage.completion_tokens == 3
 
 
 def test_body_size_limit(server, http):
     big = b'{"model": "x", "prompt": "' + b"a" * 10_000_000 + b'"}'
-    error = _error(http.post("/v1/completions", content=big, headers={"content-type": "application/json"}), 413)
+    error = _error(
+        http.post("/v1/completions", content=big, headers={"content-type": "application/json"}), 413
+    )
     assert error["code"] == "request_too_large" and "1048576" in error["message"]
 
     def chunked():  # no Content-Length: the limit applies while the body is read
@@ -224,7 +228,7 @@ def test_fuzzed_requests_from_the_openapi_schema_never_get_a_5xx(server, http):
             suppress_health_check=list(HealthCheck),
         )
         @given(body=body_strategy(schema, name, server.model))
-        def check(body):
+        def check(body, path=path):
             resp = http.post(path, json=body)
             assert resp.status_code < 500, (body, resp.text[:300])
             if resp.status_code != 200:
@@ -285,10 +289,18 @@ def test_kv_exhaustion_preempts_and_outputs_match_uncontended(server, http, refe
     async def contended() -> list[dict]:
         async with httpx.AsyncClient(base_url=server.url, headers=server.headers, timeout=300) as c:
             bodies = [
-                {"model": server.model, "prompt": p, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+                {
+                    "model": server.model,
+                    "prompt": p,
+                    "max_tokens": max_tokens,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                }
                 for p in prompts
             ]
-            return [r.json() for r in await asyncio.gather(*(c.post("/v1/completions", json=b) for b in bodies))]
+            return [
+                r.json() for r in await asyncio.gather(*(c.post("/v1/completions", json=b) for b in bodies))
+            ]
 
     outs = asyncio.run(contended())
     assert [o["choices"][0]["finish_reason"] for o in outs] == ["length"] * 8
@@ -314,7 +326,10 @@ def test_a_fault_fails_only_its_own_request(server, reference):
 
     async def together() -> list[tuple[int, str]]:
         async with httpx.AsyncClient(base_url=server.url, headers=server.headers, timeout=120) as c:
-            return [(r.status_code, r.text) for r in await asyncio.gather(*(c.post("/v1/completions", json=b) for b in bodies))]
+            return [
+                (r.status_code, r.text)
+                for r in await asyncio.gather(*(c.post("/v1/completions", json=b) for b in bodies))
+            ]
 
     results = asyncio.run(together())
     assert all(status == 200 for status, _ in results)
@@ -381,7 +396,9 @@ def test_engine_loop_death_ends_streams_and_the_replica_is_replaced(server, http
             flags = [asyncio.Event() for _ in range(3)]
             tasks = [asyncio.create_task(in_flight(f)) for f in flags]
             await asyncio.gather(*(f.wait() for f in flags))
-            killer = await c.post("/v1/completions", json={**body, "prompt": "__fault:loop__", "stream": False})
+            killer = await c.post(
+                "/v1/completions", json={**body, "prompt": "__fault:loop__", "stream": False}
+            )
             return [[line[6:] for line in t if line] for t in await asyncio.gather(*tasks)], killer
 
     streams, killer = asyncio.run(scenario())
