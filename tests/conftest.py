@@ -27,3 +27,18 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     from scripts.make_model import make_model
 
     return Path(make_model("tiny", tmp_path_factory.mktemp("tiny-llama")))
+
+
+def _serving_stack_missing() -> bool:
+    try:
+        import fastapi  # noqa: F401
+        import openai  # noqa: F401
+        import ray  # noqa: F401
+    except ImportError:
+        return True
+    return False
+
+
+# The serving tests need Ray Serve and the openai client; a bare GPU host (for `pytest -m gpu`) has
+# neither, so those modules are not collected there rather than failing at import.
+collect_ignore_glob = ["test_serving*.py", "test_hardening*.py"] if _serving_stack_missing() else []
