@@ -82,7 +82,8 @@ def _launch_all_on_cpu() -> list:
         triton_kv.store_kv(k, k, cache, cache, torch.arange(6))
         tables = torch.arange(8, dtype=torch.int32).view(2, 4)
         lens, cu = torch.tensor([40, 64], dtype=torch.int32), torch.tensor([0, 3, 6], dtype=torch.int32)
-        dec.decode_attention(q[:2], cache, cache, tables, lens, 0.1, window, cap)
+        dec.decode_attention(q[:2], cache, cache, tables, lens, 0.1, window, cap)  # 1 split: direct
+        dec.decode_attention(q[:2], cache, cache, tables, lens, 0.1, window, cap, num_splits=2)  # + reduce
         pre.prefill_attention(q, cache, cache, cu, lens, 3, 0.1, tables, window, cap)
         pre.prefill_attention(q, k, k, cu, torch.tensor([3, 3]), 3, 0.1, None, window, cap)
     return [triton_norm._rms_norm_kernel, triton_act._gated_kernel, triton_rope._rope_kernel,
