@@ -84,9 +84,10 @@ class Sampler:
             return PendingSample(fast_argmax(logits), raw_logprobs, rows)
         greedy = self._t([r.params.greedy for r in rows], torch.bool)
         temperature = self._t([r.params.temperature or 1.0 for r in rows])
-        probs = torch.softmax(self._filter(logits / temperature[:, None], rows), dim=-1)
-        noise = self._exponential_noise(rows, probs.shape)
-        sampled = torch.where(greedy, logits.argmax(dim=-1), (probs / noise).argmax(dim=-1))
+        scores = self._filter(logits / temperature[:, None], rows)  # filtered tokens are -inf
+        # argmax(p / E) == argmax(log p - log E) == argmax(scores - log E): no softmax needed
+        noise = self._exponential_noise(rows, scores.shape).log_()
+        sampled = torch.where(greedy, logits.argmax(dim=-1), (scores - noise).argmax(dim=-1))
         return PendingSample(sampled, raw_logprobs, rows)
 
     # ------------------------------------------------------------------ logits processors

@@ -1,0 +1,88 @@
+"""The sampler draws from exactly the filtered, tempered distribution, and its processors do what the
+OpenAI / vLLM definitions say. References are computed independently with numpy."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engine.sampler import Sampler, SamplingRow
+from engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.engine
+V = 8
+
+
+def reference_probs(logits: np.ndarray, t: float, top_k: int, top_p: float, min_p: float) -> np.ndarray:
+    """Temperature, then top-k, then top-p (smallest prefix of the sorted tokens reaching p), then
+    min-p relative to the most likely token, renormalised at each stage."""
+    z = logits / t
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    order = np.argsort(-p, kind="stable")
+    keep = np.zeros(V, bool)
+    keep[order[: top_k or V]] = True
+    p = np.where(keep, p, 0)
+    p /= p.sum()
+    cum = np.cumsum(p[order])
+    nucleus = order[: int(np.searchsorted(cum, top_p - 1e-9)) + 1]
+    keep = np.zeros(V, bool)
+    keep[nucleus] = True
+    p = np.where(keep, p, 0)
+    p /= p.sum()
+    p = np.where(p >= min_p * p.max(), p, 0)
+    return p / p.sum()
+
+
+@pytest.mark.parametrize("t,top_k,top_p,min_p", [(1.0, 0, 1.0, 0.0), (0.7, 5, 1.0, 0.0), (1.3, 0, 0.8, 0.0),
+                                                 (1.0, 0, 1.0, 0.2), (0.9, 6, 0.9, 0.05)])  # fmt: skip
+def test_draws_follow_the_filtered_distribution(t, top_k, top_p, min_p):
+    torch.manual_seed(0)
+    logits = torch.tensor([2.0, 1.5, 1.2, 0.3, 0.0, -0.5, -1.0, 0.9])
+    n = 40000
+    params = SamplingParams(temperature=t, top_k=top_k, top_p=top_p, min_p=min_p)
+    rows = [SamplingRow(params, [0], 1, None)] * n
+    ids = Sampler(V, torch.device("cpu"))(logits.expand(n, V).clone(), rows).resolve().token_ids
+    freq = np.bincount(ids, minlength=V) / n
+    expected = reference_probs(logits.numpy().astype(np.float64), t, top_k, top_p, min_p)
+    assert np.abs(freq - expected).max() < 0.01, (freq.round(3), expected.round(3))
+    assert freq[expected == 0].sum() == 0
+
+
+def test_penalties_match_their_definitions():
+    logits = torch.tensor([[1.0, -1.0, 2.0, 0.5, -0.5, 0.0, 3.0, -2.0]])
+    params = SamplingParams(repetition_penalty=1.5, presence_penalty=0.4, frequency_penalty=0.3)
+    prompt, output = [1, 3], [2, 2, 5]
+    got = Sampler(V, torch.device("cpu"))._apply_penalties(
+        logits.clone(), [SamplingRow(params, prompt + output, 2, None)]
+    )
+    want = logits[0].numpy().astype(np.float64).copy()
+    for tok in set(prompt + output):  # repetition: divide positive logits, multiply negative ones
+        want[tok] = want[tok] / 1.5 if want[tok] > 0 else want[tok] * 1.5
+    for tok in set(output):  # presence once, frequency per occurrence (output tokens only)
+        want[tok] -= 0.4 + 0.3 * output.count(tok)
+    np.testing.assert_allclose(got[0].numpy(), want, rtol=1e-6)
+
+
+def test_seeded_rows_ignore_their_neighbours_and_logprobs_are_exact():
+    torch.manual_seed(1)
+    logits = torch.randn(6, V)
+    seeded = SamplingParams(temperature=1.0, seed=11, logprobs=3)
+    other = SamplingParams(temperature=1.0)
+
+    def draw(position: int) -> tuple[int, tuple]:
+        rows = [SamplingRow(other, [0], 1, None) for _ in range(6)]
+        g = torch.Generator().manual_seed(11)
+        rows[position] = SamplingRow(seeded, [0], 1, g)
+        batch = torch.randn(6, V)
+        batch[position] = logits[0]
+        result = Sampler(V, torch.device("cpu"))(batch, rows).resolve()
+        return result.token_ids[position], result.logprobs[position]
+
+    (a, lp_a), (b, _) = draw(0), draw(4)
+    assert a == b
+    ref = torch.log_softmax(logits[0].double(), -1)
+    chosen, top = lp_a
+    assert abs(chosen - ref[a].item()) < 1e-5
+    assert [t for t, _ in top] == ref.topk(3).indices.tolist()
