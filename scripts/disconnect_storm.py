@@ -105,24 +105,25 @@ async def _one(url: str, body: dict, api_key: str | None, cut: str, rng: random.
 
 async def storm(url: str, model: str, api_key: str | None, args) -> tuple[Counter, float]:
     """Run the storm; returns the cut counts and the time of the last cut (time.monotonic)."""
-    rng = random.Random(args.seed)
     weights = [float(w) for w in args.weights.split(",")]
     todo = iter(range(args.requests))
     cuts: Counter = Counter()
 
-    async def worker(wid: int) -> None:
-        wrng = random.Random(f"{args.seed}-{wid}")
-        for _ in todo:
-            cut = wrng.choices(CUTS, weights)[0]
-            prompt = [wrng.randrange(8, args.vocab) for _ in range(wrng.randint(8, args.prompt_tokens))]
+    async def worker() -> None:
+        for i in todo:
+            # one generator per request, not per worker: a worker that drew quick cuts takes more
+            # requests, which would skew the mix towards them
+            rng = random.Random(f"{args.seed}-{i}")
+            cut = rng.choices(CUTS, weights)[0]
+            prompt = [rng.randrange(8, args.vocab) for _ in range(rng.randint(8, args.prompt_tokens))]
             body = {"model": model, "prompt": prompt, "max_tokens": args.max_tokens, "stream": True}
             body |= {"ignore_eos": True, "temperature": rng.choice([0.0, 1.0])}
             try:
-                cuts[await _one(url, body, api_key, cut, wrng, args)] += 1
+                cuts[await _one(url, body, api_key, cut, rng, args)] += 1
             except (OSError, RuntimeError, asyncio.IncompleteReadError) as exc:
                 cuts[f"client_error:{type(exc).__name__}"] += 1
 
-    await asyncio.gather(*(worker(i) for i in range(args.concurrency)))
+    await asyncio.gather(*(worker() for _ in range(args.concurrency)))
     return cuts, time.monotonic()
 
 
@@ -216,6 +217,10 @@ def run(args) -> dict:
     report = {
         "requests": args.requests,
         "concurrency": args.concurrency,
+        "settings": {
+            k: getattr(args, k)
+            for k in ("weights", "early_ms", "max_events", "max_tokens", "prompt_tokens", "seed")
+        },
         "storm_s": round(last_cut - start, 2),
         "cuts": dict(sorted(cuts.items())),
         "settle_s": None if settle_s is None else round(settle_s, 3),
@@ -247,6 +252,8 @@ def _markdown(report: dict) -> str:
     return (
         f"# Disconnect storm\n\n{report['requests']} streaming requests, {report['concurrency']} at a time, "
         f"in {report['storm_s']} s. Result: **{'PASS' if report['ok'] else 'FAIL'}**.\n\n"
+        f"Settings: {report['settings']} (before_headers,first_token,mid_stream weights; prompts of "
+        f"8..prompt_tokens random token ids; every request asks for max_tokens with ignore_eos).\n\n"
         f"| cut point | requests |\n|---|---|\n{rows}\n\n"
         f"* all KV blocks free {report['settle_s']} s after the last cut "
         f"(stats: {report['stats_after']['kv_blocks_used']} blocks used)\n"

@@ -4,16 +4,17 @@
     python -m scripts.soak --serve-config serve_config.yaml --minutes 10    # starts `serve run` itself
     MINSERVE_API_KEY=... python -m scripts.soak ...                          # server with an API key
 
-It runs `locust -f loadtests/ --headless --workload W2` (streaming, closed loop) while it reads the
-engine replica's resident memory from GET /v1/engine/stats (`pid`, `rss_bytes`) every `--sample-s`.
+It primes the server with W2's largest requests (see `prime`), then runs `locust -f loadtests/
+--headless --workload W2` (streaming, closed loop) while it reads the engine replica's resident
+memory from GET /v1/engine/stats (`pid`, `rss_bytes`) every `--sample-s`.
 It fails (exit 1) unless:
   * Locust recorded 0 failed requests (HTTP errors, error events, streams without [DONE]) and more
     than 0 successful ones;
   * once the server is idle afterwards, the KV audit (GET /v1/engine/audit) is clean and no KV block
     is in use;
   * the RSS after warm-up (the first `--warmup-s`, default min(60 s, 20% of the run)) grows less than
-    `--max-rss-growth` (5%): the median of the last fifth of the readings after warm-up against the
-    median of the first fifth (single readings swing by tens of MB under load);
+    `--max-rss-growth` (5%): the highest reading in the last fifth of the run after warm-up against
+    the highest in its first fifth (see `rss_growth`);
   * the replica was not replaced during the run (one pid throughout).
 Reports: PREFIX.json and PREFIX.md with `--out PREFIX`, Locust's PREFIX_*.csv next to them.
 
@@ -28,9 +29,11 @@ import argparse
 import csv
 import json
 import os
+import random
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -95,17 +98,17 @@ def run_locust(args, http, prefix: Path, key: str) -> tuple[int, str, list[dict]
 
 
 def rss_growth(samples: list[dict], warmup_s: float) -> dict:
-    """Median RSS of the last fifth of the run after warm-up over the median of its first fifth.
+    """Highest RSS in the last fifth of the run after warm-up over the highest in its first fifth.
 
-    Medians over windows, because under load the RSS swings by tens of MB from one reading to the
-    next (activations in flight; the allocator keeps or returns freed memory as it likes): a leak
-    shows as the whole window moving up, a single reading proves nothing."""
+    Peaks of windows, not single readings: under load the RSS swings by tens of MB between readings
+    (activations in flight), and glibc's malloc ratchets up once (its mmap threshold rises to the
+    largest freed block, after which big tensors come from the heap and stay resident), so a reading
+    low in the first window proves nothing. A leak raises the later peaks above the earlier ones."""
     after = [s for s in samples if s["t"] >= warmup_s and s["rss"]]
     if len(after) < 6:
         return {"first_window": None, "last_window": None, "growth": None}
     k = max(3, len(after) // 5)
-    first = sorted(s["rss"] for s in after[:k])[k // 2]
-    last = sorted(s["rss"] for s in after[-k:])[k // 2]
+    first, last = max(s["rss"] for s in after[:k]), max(s["rss"] for s in after[-k:])
     return {
         "first_window": first,
         "last_window": last,
@@ -145,6 +148,26 @@ def wait_idle(http, timeout_s: float = 60.0) -> dict:
         time.sleep(0.2)
 
 
+def prime(http, args, rounds: int = 2) -> None:
+    """Send W2's largest requests (1024-token prompts, the longest generation), `users` at a time.
+
+    The allocator's footprint ratchets up to the largest transient tensors it has seen (glibc serves
+    freed sizes from its heap afterwards instead of returning them), so the RSS only settles once the
+    biggest shapes went through; under random W2 traffic that can take minutes. Priming gets there at
+    once, and the warm-up window after it measures the steady state."""
+    card = http.get("/v1/models").json()["data"][0]
+    gen = max(1, round(256 * args.gen_scale))
+    length = max(1, min(1024, int(card.get("max_model_len") or 2048) - gen - 8))
+    vocab = int(card.get("vocab_size") or 1000)
+    rng = random.Random(0)
+    body = {"model": card["id"], "max_tokens": gen, "ignore_eos": True}
+    with ThreadPoolExecutor(args.users) as pool:
+        for _ in range(rounds):
+            prompts = [[rng.randrange(8, vocab) for _ in range(length)] for _ in range(args.users)]
+            for resp in pool.map(lambda p: http.post("/v1/completions", json={**body, "prompt": p}), prompts):
+                resp.raise_for_status()
+
+
 def soak(args) -> dict:
     import httpx
 
@@ -152,7 +175,9 @@ def soak(args) -> dict:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     prefix = Path(args.out or f"{os.environ.get('TMPDIR', '/tmp')}/minserve_soak")
     prefix.parent.mkdir(parents=True, exist_ok=True)
-    with httpx.Client(base_url=args.url, headers=headers, timeout=30) as http:
+    with httpx.Client(base_url=args.url, headers=headers, timeout=300) as http:
+        if args.prime:
+            prime(http, args)
         rc, output, samples = run_locust(args, http, prefix, key)
         stats = wait_idle(http)
         time.sleep(0.6)  # the engine refreshes its audit at its next idle pass (at most 0.5 s apart)
@@ -222,7 +247,7 @@ def _markdown(r: dict) -> str:
         f"|---|---|---|---|---|---|\n| {r['requests']} | {r['failures']} | {r['requests_per_s']} | "
         f"{r['ttft_ms']['p50']} / {r['ttft_ms']['p95']} | {r['itl_ms']['p50']} / {r['itl_ms']['p95']} | "
         f"{r['e2e_ms']['p50']} / {r['e2e_ms']['p95']} |\n\n"
-        f"* engine replica RSS after the {r['warmup_s']:.0f} s warm-up: median "
+        f"* engine replica RSS after the {r['warmup_s']:.0f} s warm-up: peak "
         f"{_mib(rss['first_window'])} in the first fifth, {_mib(rss['last_window'])} in the last fifth: "
         f"growth {rss['growth']} (limit 0.05); range {_mib(rss.get('min'))} to {_mib(rss.get('max'))}\n"
         f"* replica pid(s): {r['replica_pids']}; KV blocks in use after: {r['kv_blocks_used_after']}; "
@@ -239,6 +264,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gen-scale", type=float, default=0.25, help="W2 generation lengths x this")
     p.add_argument("--warmup-s", type=float, default=None, help="default: min(60, 20%% of the run)")
     p.add_argument("--sample-s", type=float, default=5.0, help="RSS sampling period")
+    p.add_argument("--no-prime", dest="prime", action="store_false", help="skip the priming requests")
     p.add_argument("--max-rss-growth", type=float, default=0.05)
     p.add_argument("--api-key", default="", help="default: $MINSERVE_API_KEY")
     p.add_argument("--out", default="", help="report prefix: PREFIX.json, PREFIX.md, PREFIX_*.csv")

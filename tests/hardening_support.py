@@ -1,15 +1,72 @@
-"""Helpers for tests/test_hardening.py: request bodies from the server's OpenAPI schema, and a file
-watch that sees every open() of a path by any process on this machine (Linux inotify).
+"""Helpers for tests/test_hardening.py: hand-written bad requests, request bodies from the server's
+OpenAPI schema (hypothesis), and a file watch that sees every open() of a path by any process on this
+machine (Linux inotify).
 """
 
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import struct
 from pathlib import Path
 
 from hypothesis import strategies as st
+
+# ---------------------------------------------------------------- hand-written bad requests
+
+
+def bad_cases(model: str, max_len: int) -> list[tuple[str, object, int, str | None]]:
+    """(path, body (dict or raw bytes), status, param) — each must be refused with that status."""
+    c, ch = "/v1/completions", "/v1/chat/completions"
+    base = {"model": model, "prompt": "hi", "max_tokens": 2}
+    chat = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    raw = json.dumps(base)[:-1]  # '{"model": ..., "max_tokens": 2' : append fields as raw JSON text
+    cases = [
+        (c, {**base, "prompt": 5}, 422, "prompt"),
+        (c, {**base, "temperature": "hot"}, 422, "temperature"),
+        (c, {**base, "n": 1.5}, 422, "n"),
+        (c, {**base, "stream": [1]}, 422, "stream"),
+        (c, {**base, "stop": 7}, 422, "stop"),
+        (ch, {**chat, "messages": "hi"}, 422, "messages"),
+        (ch, {**chat, "messages": []}, 422, "messages"),
+        (ch, {**chat, "messages": [{"role": "wizard", "content": "x"}]}, 422, "messages"),
+        (c, {**base, "max_tokens": -1}, 422, "max_tokens"),
+        (c, {**base, "max_tokens": 0}, 422, "max_tokens"),
+        (c, {**base, "max_tokens": 10**9}, 400, "max_tokens"),
+        (c, {**base, "max_tokens": 10**30}, 400, "max_tokens"),
+        (c, {**base, "n": 0}, 422, "n"),
+        (c, {**base, "n": 1000}, 422, "n"),
+        (c, {**base, "top_p": 0}, 422, "top_p"),
+        (c, {**base, "top_p": 1.5}, 422, "top_p"),
+        (c, {**base, "seed": -1}, 422, "seed"),
+        (c, {**base, "logprobs": 1000}, 422, "logprobs"),
+        (c, {**base, "prompt": [7] * max_len}, 400, "max_tokens"),
+        (c, {**base, "prompt": [7] * 1400}, 400, "max_tokens"),  # fits the context, not the KV pool
+        (c, {**base, "prompt": [5, 2048]}, 422, "prompt"),  # vocab_size is 2048
+        (c, {**base, "prompt": [-1]}, 422, "prompt"),
+        (c, {**base, "prompt": [[3], [10**12]]}, 422, "prompt"),
+        (c, {**base, "prompt": []}, 422, "prompt"),
+        (c, {**base, "stop": ["a"] * 17}, 422, "stop"),
+        (c, {**base, "stop": "x" * 300}, 422, "stop"),
+        (c, {**base, "frobnicate": 1}, 422, "frobnicate"),
+        (c, {**base, "stream_options": {"include_usage": True, "extra": 1}}, 422, "stream_options"),
+        (c, {**base, "prompt": json.loads("[" * 200 + "]" * 200)}, 422, "prompt"),
+        (c, [], 422, None),
+    ]
+    for field in ("temperature", "top_p", "presence_penalty"):
+        for literal in ("NaN", "Infinity", "-Infinity"):  # not JSON, but Python's json reads them
+            cases.append((c, f'{raw}, "{field}": {literal}}}'.encode(), 422, field))
+    cases += [
+        (c, b'{"model": "' + model.encode() + b'", "prompt": "h\xff\xfei"}', 400, None),  # bad UTF-8
+        (c, b"[" * 100_000, 400, None),  # nested deeper than any parser's recursion limit
+        (c, f'{raw}, "seed": {"9" * 5000}}}'.encode(), 400, None),  # an integer of 5000 digits
+        (c, b"", 422, None),
+    ]
+    return cases
+
+
+# ---------------------------------------------------------------- fuzzing from the OpenAPI schema
 
 # Numbers a validator has to think about; the small ranges keep valid requests cheap (short outputs).
 _INTS = st.one_of(st.integers(-3, 24), st.sampled_from([-(2**63), 2**31, 2**63, 10**30]))

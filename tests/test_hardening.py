@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 
 from engine.sampling_params import SamplingParams
 from scripts import disconnect_storm, soak
-from tests.hardening_support import OpenWatch, body_strategy
+from tests.hardening_support import OpenWatch, bad_cases, body_strategy
 from tests.serving_fixtures import Server, start_server, stop_server, wait_idle
 
 pytestmark = [pytest.mark.serving, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
@@ -151,59 +151,9 @@ def test_model_name_is_never_used_as_a_path(server, http, tmp_path):
 # ---------------------------------------------------------------- bad input
 
 
-def _bad_cases(model: str, max_len: int) -> list[tuple[str, object, int, str | None]]:
-    """(path, body (dict or raw bytes), status, param) — each must be refused with that status."""
-    c, ch = "/v1/completions", "/v1/chat/completions"
-    base = {"model": model, "prompt": "hi", "max_tokens": 2}
-    chat = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-    raw = json.dumps(base)[:-1]  # '{"model": ..., "max_tokens": 2' : append fields as raw JSON text
-    cases = [
-        (c, {**base, "prompt": 5}, 422, "prompt"),
-        (c, {**base, "temperature": "hot"}, 422, "temperature"),
-        (c, {**base, "n": 1.5}, 422, "n"),
-        (c, {**base, "stream": [1]}, 422, "stream"),
-        (c, {**base, "stop": 7}, 422, "stop"),
-        (ch, {**chat, "messages": "hi"}, 422, "messages"),
-        (ch, {**chat, "messages": []}, 422, "messages"),
-        (ch, {**chat, "messages": [{"role": "wizard", "content": "x"}]}, 422, "messages"),
-        (c, {**base, "max_tokens": -1}, 422, "max_tokens"),
-        (c, {**base, "max_tokens": 0}, 422, "max_tokens"),
-        (c, {**base, "max_tokens": 10**9}, 400, "max_tokens"),
-        (c, {**base, "max_tokens": 10**30}, 400, "max_tokens"),
-        (c, {**base, "n": 0}, 422, "n"),
-        (c, {**base, "n": 1000}, 422, "n"),
-        (c, {**base, "top_p": 0}, 422, "top_p"),
-        (c, {**base, "top_p": 1.5}, 422, "top_p"),
-        (c, {**base, "seed": -1}, 422, "seed"),
-        (c, {**base, "logprobs": 1000}, 422, "logprobs"),
-        (c, {**base, "prompt": [7] * max_len}, 400, "max_tokens"),
-        (c, {**base, "prompt": [7] * 1400}, 400, "max_tokens"),  # fits the context, not the KV pool
-        (c, {**base, "prompt": [5, 2048]}, 422, "prompt"),  # vocab_size is 2048
-        (c, {**base, "prompt": [-1]}, 422, "prompt"),
-        (c, {**base, "prompt": [[3], [10**12]]}, 422, "prompt"),
-        (c, {**base, "prompt": []}, 422, "prompt"),
-        (c, {**base, "stop": ["a"] * 17}, 422, "stop"),
-        (c, {**base, "stop": "x" * 300}, 422, "stop"),
-        (c, {**base, "frobnicate": 1}, 422, "frobnicate"),
-        (c, {**base, "stream_options": {"include_usage": True, "extra": 1}}, 422, "stream_options"),
-        (c, {**base, "prompt": json.loads("[" * 200 + "]" * 200)}, 422, "prompt"),
-        (c, [], 422, None),
-    ]
-    for field in ("temperature", "top_p", "presence_penalty"):
-        for literal in ("NaN", "Infinity", "-Infinity"):  # not JSON, but Python's json reads them
-            cases.append((c, f'{raw}, "{field}": {literal}}}'.encode(), 422, field))
-    cases += [
-        (c, b'{"model": "' + model.encode() + b'", "prompt": "h\xff\xfei"}', 400, None),  # bad UTF-8
-        (c, b"[" * 100_000, 400, None),  # nested deeper than any parser's recursion limit
-        (c, f'{raw}, "seed": {"9" * 5000}}}'.encode(), 400, None),  # an integer of 5000 digits
-        (c, b"", 422, None),
-    ]
-    return cases
-
-
 def test_bad_input_gets_a_clear_4xx_and_the_server_keeps_serving(server, http):
     max_len = http.get("/v1/models").json()["data"][0]["max_model_len"]
-    for path, body, status, param in _bad_cases(server.model, max_len):
+    for path, body, status, param in bad_cases(server.model, max_len):
         for stream in (False, True):  # refused before any stream byte, too
             if stream and not (isinstance(body, dict) and "stream" not in body):
                 continue  # raw bodies and the case about `stream` itself are sent once
@@ -371,7 +321,7 @@ def test_disconnect_storm_frees_every_block_within_a_second(server, http):
 def test_soak_60s_w2(server, tmp_path):
     args = soak.parse_args(
         ["--url", server.url, "--api-key", API_KEY, "--minutes", "1", "--users", "8"]
-        + ["--gen-scale", "0.125", "--sample-s", "2", "--out", str(tmp_path / "soak")]
+        + ["--gen-scale", "0.125", "--warmup-s", "15", "--sample-s", "0.5", "--out", str(tmp_path / "soak")]
     )
     report = soak.soak(args)
     summary = json.dumps({k: v for k, v in report.items() if k != "rss_samples"}, indent=1)
