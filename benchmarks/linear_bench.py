@@ -29,6 +29,8 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from benchmarks.kernel_bench import _ms, copy_bandwidth  # noqa: E402
+
 SHAPES = [  # (name, K, N)
     ("8b qkv", 4096, 6144), ("8b o", 4096, 4096), ("8b gate_up", 4096, 28672), ("8b down", 14336, 4096),
     ("8b lm_head", 4096, 128256), ("1b qkv", 2048, 3072), ("1b o", 2048, 2048),
@@ -90,19 +92,6 @@ def compile_only() -> int:
 
 
 # ------------------------------------------------------------------------------- GPU timings
-
-
-def _ms(fn) -> float:
-    import triton.testing
-
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-
-
-def copy_bandwidth() -> float:
-    """GB/s of a 1 GiB device-to-device copy, counting bytes read plus bytes written."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    return 2 * src.numel() / (_ms(lambda: dst.copy_(src)) * 1e-3) / 1e9
 
 
 def _graph_us(op, x: torch.Tensor, ws: list) -> float:
