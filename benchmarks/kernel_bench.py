@@ -80,6 +80,10 @@ def _launch_all_on_cpu() -> list:
         triton_rope.apply_rotary(q, k, torch.arange(6), torch.randn(64, d))
         cache = torch.randn(8, 16, hk, d, **bf)
         triton_kv.store_kv(k, k, cache, cache, torch.arange(6))
+        slots = torch.tensor([0, 5, -1, 17, 100, -1])  # -1: CUDA-graph padding
+        triton_rope.rope_store_kv(q, k, k, torch.arange(6), torch.randn(64, d), cache, cache, slots)
+        norm = dict(q_norm_weight=torch.randn(d, **bf), k_norm_weight=torch.randn(d, **bf), norm_offset=1.0)
+        triton_rope.rope_store_kv(q, k, k, torch.arange(6), torch.randn(64, d), cache, cache, slots, **norm)
         tables = torch.arange(8, dtype=torch.int32).view(2, 4)
         lens, cu = torch.tensor([40, 64], dtype=torch.int32), torch.tensor([0, 3, 6], dtype=torch.int32)
         dec.decode_attention(q[:2], cache, cache, tables, lens, 0.1, window, cap)  # 1 split: direct
@@ -87,8 +91,8 @@ def _launch_all_on_cpu() -> list:
         pre.prefill_attention(q, cache, cache, cu, lens, 3, 0.1, tables, window, cap)
         pre.prefill_attention(q, k, k, cu, torch.tensor([3, 3]), 3, 0.1, None, window, cap)
     return [triton_norm._rms_norm_kernel, triton_act._gated_kernel, triton_rope._rope_kernel,
-            triton_kv._store_kv_kernel, dec._decode_split_kernel, dec._decode_reduce_kernel,
-            pre._prefill_kernel]  # fmt: skip
+            triton_rope._rope_store_kv_kernel, triton_kv._store_kv_kernel, dec._decode_split_kernel,
+            dec._decode_reduce_kernel, pre._prefill_kernel]  # fmt: skip
 
 
 def compile_only() -> int:
@@ -160,6 +164,35 @@ def bench_decode_case(batch: int, ctx: int, copy_gbs: float) -> tuple:
     return f"decode B={batch} ctx={ctx}", t_tri, t_twin, note
 
 
+DECODE_SWEEP = [  # (BLOCK_N, num_warps, num_stages, PROGRAMS_PER_SM); the first is the shipped default
+    (64, 4, 2, 4), (64, 4, 3, 4), (128, 4, 2, 4), (128, 4, 3, 4), (128, 8, 3, 4), (32, 4, 4, 4),
+    (64, 4, 3, 8), (64, 8, 3, 4), (128, 4, 3, 8), (32, 2, 4, 8),
+]  # fmt: skip
+DECODE_SWEEP_CASES = [  # (batch, ctx, Hq, Hk): (a) 8B, (b) 8B, (c)-like Qwen3-0.6B, long context
+    (1, 1100, 32, 8), (64, 1064, 32, 8), (256, 600, 16, 8), (256, 1200, 16, 8), (64, 4096, 32, 8),
+]  # fmt: skip
+
+
+def sweep_decode(copy_gbs: float) -> None:
+    """ms per decode-attention call for each DECODE_SWEEP config (module globals patched)."""
+    from kernels import triton_decode_attention as tda
+
+    default_config = tda.decode_config
+    print("decode configs (BLOCK_N, warps, stages, programs/SM):", DECODE_SWEEP)
+    for batch, ctx, hq, hk in DECODE_SWEEP_CASES:
+        q, kc, vc, meta, kv_bytes = _decode_case(batch, ctx, hq=hq, hk=hk)
+        args = (q, kc, vc, meta.block_tables, meta.seq_lens, 0.088)
+        times = []
+        for block_n, warps, stages, pps in DECODE_SWEEP:
+            tda.decode_config = lambda head_dim, c=(block_n, warps, stages): c
+            tda.PROGRAMS_PER_SM = pps
+            times.append(_ms(lambda a=args: tda.decode_attention(*a)))
+        best = min(times)
+        print(f"B={batch:<4}ctx={ctx:<5}Hq/Hk={hq}/{hk}: " + " ".join(f"{t * 1e3:6.1f}" for t in times)
+              + f"  us; best {kv_bytes / (best * 1e-3) / 1e9 / copy_gbs:.0%} of copy")  # fmt: skip
+    tda.decode_config, tda.PROGRAMS_PER_SM = default_config, 4
+
+
 def bench_elementwise() -> list[tuple]:
     from engine.attention_context import AttentionMetadata
     from kernels import ops, torch_ops
@@ -187,12 +220,16 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--compile-only", action="store_true", help="build for sm_90 on CPU, no GPU needed")
     parser.add_argument("--no-tests", action="store_true", help="skip the gpu-marked kernel tests")
+    parser.add_argument("--sweep-decode", action="store_true", help="time decode-attention configs (GPU)")
     args = parser.parse_args()
     if args.compile_only:
         return compile_only()
     if not torch.cuda.is_available():
         print("no CUDA device: run with --compile-only, or on a GPU machine")
         return 1
+    if args.sweep_decode:
+        sweep_decode(copy_bandwidth())
+        return 0
     tests_rc = 0  # timings still run after a failed check: one GPU session should report both
     if not args.no_tests:
         cmd = [sys.executable, "-m", "pytest", "-q", "--tb=short", "-m", "gpu", "tests/test_kernels.py"]

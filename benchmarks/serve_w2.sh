@@ -7,7 +7,8 @@
 #
 # Environment: OUT (report dir, default benchmarks/reports), MODEL (a scripts.make_model shape, default
 # llama-3.2-1b), CKPT (its directory, default /tmp/minserve_bench/$MODEL, made when missing), USERS (64),
-# SPAWN_RATE (16/s), DURATION (60 s), WORKLOAD (W2), PORT (8000), PY (python3), READY_TIMEOUT (300 s).
+# SPAWN_RATE (16/s), DURATION (60 s), WORKLOAD (W2), PORT (8000), PY (python3), READY_TIMEOUT (300 s),
+# STREAM_INTERVAL_MS (10; GPU only: the engine's stream_interval_ms).
 # Load tool: Locust with loadtests/locustfile.py when `import locust` works, else benchmarks.serve_client
 # (same workload and timing definitions; the GPU host's wheelhouse has no Locust).
 set -euo pipefail
@@ -46,15 +47,16 @@ if [ ! -f "$CKPT/config.json" ]; then
 fi
 
 # serve_config.yaml with the model, GPUs, port and a GPU-sized engine swapped in.
-"$PY" - "$CKPT" "$DEVICE" "$PORT" "$USERS" "$RUN/serve_config.yaml" <<'EOF'
+"$PY" - "$CKPT" "$DEVICE" "$PORT" "$USERS" "$RUN/serve_config.yaml" "${STREAM_INTERVAL_MS:-10}" <<'EOF'
 import sys, yaml
-ckpt, device, port, users, dst = sys.argv[1:]
+ckpt, device, port, users, dst, interval = sys.argv[1:]
 cfg = yaml.safe_load(open("serve_config.yaml"))
 cfg["http_options"]["port"] = int(port)
 args = cfg["applications"][0]["args"]
 args.update(model=ckpt, num_gpus=1 if device == "cuda" else 0, max_ongoing_requests=max(256, 2 * int(users)))
 if device == "cuda":
     args["engine"].update(max_num_seqs=256, gpu_memory_utilization=0.85)
+    args["stream_interval_ms"] = int(interval)  # batch stream chunks: fewer, larger SSE events
     args["engine"].pop("cpu_kv_cache_bytes", None)
 yaml.safe_dump(cfg, open(dst, "w"), sort_keys=False)
 EOF

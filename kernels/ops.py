@@ -18,7 +18,6 @@ import torch
 from kernels import torch_ops
 
 _FORCE_TORCH = os.environ.get("MINSERVE_TORCH_KERNELS", "0") == "1"
-SKINNY_MAX_M = 16  # rows up to which ops.linear uses the Triton skinny GEMM (kernels.triton_linear)
 
 
 @functools.lru_cache(maxsize=1)
@@ -37,25 +36,37 @@ def use_triton(x: torch.Tensor) -> bool:
     return _triton_importable()
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ weight[N, K]^T (+ bias): the Triton skinny GEMM for decode-sized inputs (at most
-    SKINNY_MAX_M rows, bf16/fp16, contiguous weight), torch.nn.functional.linear (cuBLAS) otherwise."""
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if (
-        0 < rows <= SKINNY_MAX_M
+def _use_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """A single row of bf16/fp16 (batch-1 decode: a pure weight stream) goes to the Triton GEMV."""
+    return (
+        x.numel() == x.shape[-1]
         and use_triton(x)
         and weight.dtype in (torch.bfloat16, torch.float16)
         and x.dtype == weight.dtype
-        and weight.is_contiguous()
+        and weight.stride(1) == 1
         and (bias is None or (bias.dtype == weight.dtype and bias.is_contiguous()))
-    ):
-        from kernels import triton_linear
+    )
 
-        x2 = x.reshape(rows, x.shape[-1])
-        if x2.stride(-1) != 1:
-            x2 = x2.contiguous()
-        return triton_linear.skinny_linear(x2, weight, bias=bias).view(*x.shape[:-1], weight.shape[0])
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ weight[N, K]^T (+ bias): the Triton GEMV for a single bf16/fp16 row,
+    torch.nn.functional.linear (cuBLAS) for everything else."""
+    if _use_gemv(x, weight, bias):
+        from kernels import triton_gemv
+
+        return triton_gemv.gemv(x.contiguous(), weight, bias)
     return torch.nn.functional.linear(x, weight, bias)
+
+
+def gated_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str):
+    """linear(act(gate) * up, weight, bias) for x = [..., 2I] = [gate | up]; activation is "silu_and_mul"
+    or "gelu_tanh_and_mul". A single row folds the activation into the GEMV (one kernel, not two)."""
+    if _use_gemv(x[..., : weight.shape[1]], weight, bias):
+        from kernels import triton_gemv
+
+        return triton_gemv.gemv(x.contiguous(), weight, bias, activation=activation)
+    act = silu_and_mul if activation == "silu_and_mul" else gelu_tanh_and_mul
+    return linear(act(x), weight, bias)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_offset: float = 0.0) -> torch.Tensor:
@@ -105,6 +116,29 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
         triton_kv.store_kv(k, v, k_cache, v_cache, slot_mapping)
         return
     torch_ops.store_kv(k, v, k_cache, v_cache, slot_mapping)
+
+
+def rope_store_kv(
+    q,
+    k,
+    v,
+    positions,
+    cos_sin,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    q_norm_weight=None,
+    k_norm_weight=None,
+    norm_eps: float = 1e-6,
+    norm_offset: float = 0.0,
+):
+    """(QK-norm +) RoPE + KV-cache write in one launch; returns rotated q (see torch_ops.rope_store_kv)."""
+    args = (q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, q_norm_weight, k_norm_weight)
+    if use_triton(q):
+        from kernels import triton_rope
+
+        return triton_rope.rope_store_kv(*args, norm_eps, norm_offset)
+    return torch_ops.rope_store_kv(*args, norm_eps, norm_offset)
 
 
 def attention(q, k, v, k_cache, v_cache, meta, scale, sliding_window=None, softcap=None):

@@ -65,6 +65,30 @@ def store_kv(
     v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep]
 
 
+def rope_store_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    norm_eps: float = 1e-6,
+    norm_offset: float = 0.0,
+) -> torch.Tensor:
+    """The attention prologue: optional per-head RMSNorm of q and k (QK-norm), RoPE, then k (rotated) and
+    v into the caches at slot_mapping (-1 = skip). q: [T, Hq, D], k, v: [T, Hk, D]; returns rotated q."""
+    if q_norm_weight is not None:
+        q = rms_norm(q, q_norm_weight, norm_eps, norm_offset)
+        k = rms_norm(k, k_norm_weight, norm_eps, norm_offset)
+    q, k = apply_rotary(q, k, positions, cos_sin)
+    store_kv(k, v, k_cache, v_cache, slot_mapping)
+    return q
+
+
 def _gather_paged(cache: torch.Tensor, block_row: torch.Tensor, length: int) -> torch.Tensor:
     """The first `length` positions of one sequence, gathered from its blocks: [length, Hk, D]."""
     block_size = cache.shape[1]

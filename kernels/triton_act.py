@@ -20,6 +20,18 @@ def tanh(x):
 
 
 @triton.jit
+def gated(gate, up, GELU_TANH: tl.constexpr):
+    """act(gate) * up in fp32: silu, or the tanh-approximated GELU (Gemma's GeGLU)."""
+    gate = gate.to(tl.float32)
+    if GELU_TANH:
+        # gelu_tanh(g) = 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))
+        act = 0.5 * gate * (1.0 + tanh(0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)))
+    else:
+        act = gate * tl.sigmoid(gate)
+    return act * up.to(tl.float32)
+
+
+@triton.jit
 def _gated_kernel(
     x_ptr, out_ptr, stride_x, stride_out, inter,
     GELU_TANH: tl.constexpr, BLOCK: tl.constexpr,
@@ -27,14 +39,10 @@ def _gated_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
-    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row * stride_x + inter + cols, mask=mask, other=0.0).to(tl.float32)
-    if GELU_TANH:
-        # gelu_tanh(g) = 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))
-        act = 0.5 * gate * (1.0 + tanh(0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)))
-    else:
-        act = gate * tl.sigmoid(gate)
-    tl.store(out_ptr + row * stride_out + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    up = tl.load(x_ptr + row * stride_x + inter + cols, mask=mask, other=0.0)
+    out = gated(gate, up, GELU_TANH)
+    tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _launch(x: torch.Tensor, gelu_tanh: bool, out: torch.Tensor | None) -> torch.Tensor:

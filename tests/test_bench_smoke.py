@@ -60,3 +60,22 @@ def test_smoke_run_produces_every_figure(tmp_path):
     assert all(0 < r["roofline"] < float("inf") for r in data["rows"])  # the env job's ceilings reached them
     md = (out / "benchmark.md").read_text()
     assert "| a | engine | llama-3.1-8b |" in md and "Measured ceilings" in md
+
+
+def test_decode_profile_splits_a_step_into_kernels_and_gaps():
+    """Overlapping kernels count once as busy; short gaps are launch gaps, long ones host waits."""
+    from benchmarks.decode_profile import HOST_GAP_US, busy_time, kernel_kind, summarise
+
+    kernels = [  # (name, start us, end us) over 2 steps
+        ("void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16>", 0.0, 10.0),
+        ("_decode_split_kernel", 5.0, 12.0),  # overlaps the matmul by 5 us
+        ("_gemv_kernel", 13.0, 20.0),  # a 1 us launch gap
+        ("_rms_norm_kernel", 20.0 + HOST_GAP_US + 30.0, 100.0),  # a 50 us wait for the host
+    ]
+    assert busy_time([(s, e) for _, s, e in kernels]) == 12.0 + 7.0 + 30.0
+    assert kernel_kind(kernels[0][0]) == kernel_kind("_gemv_kernel") == "matmul"
+    s = summarise(kernels, steps=2, step_wall_us=60.0)
+    assert s["gpu_busy_us"] == 49.0 / 2 and s["idle_us"] == 60.0 - 24.5
+    assert s["launch_gaps_us"] == 0.5 and s["host_waits_us"] == 25.0
+    assert [r["kind"] for r in s["kinds"]][:2] == ["_rms_norm_kernel", "matmul"]
+    assert s["kinds"][1]["calls"] == 1.0 and s["kinds"][1]["us"] == 8.5

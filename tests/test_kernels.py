@@ -34,7 +34,7 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
-from engine.attention_context import AttentionMetadata  # noqa: E402
+from engine.attention_context import AttentionMetadata, attention_context  # noqa: E402
 from kernels import ops, torch_ops  # noqa: E402
 
 pytestmark = [
@@ -214,6 +214,84 @@ def test_store_kv_skips_padding_slots(env: Env, tokens: int, page: int, head_dim
     torch.testing.assert_close(v_cache, ref_v, atol=0, rtol=0, equal_nan=True)
 
 
+def _fused_qkv(env: Env, tokens: int, q_heads: int, kv_heads: int, head_dim: int, seed: int):
+    """q, k, v as strided views of one fused qkv projection [T, (Hq + 2 Hk) * D], as the layer splits it."""
+    qkv = _rand(env, tokens, q_heads + 2 * kv_heads, head_dim, seed=seed)
+    return qkv[:, :q_heads], qkv[:, q_heads : q_heads + kv_heads], qkv[:, q_heads + kv_heads :]
+
+
+def _poisoned_empty(monkeypatch) -> None:
+    """torch.empty hands out NaN-filled float tensors, so an output element the kernel misses shows up."""
+    real = torch.empty
+
+    def empty(*args, **kwargs):
+        out = real(*args, **kwargs)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+
+    monkeypatch.setattr(torch, "empty", empty)
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 33])
+@pytest.mark.parametrize("head_dim,q_heads,kv_heads", [(64, 4, 4), (128, 6, 2), (128, 12, 4), (64, 8, 1)])
+@pytest.mark.parametrize("norm_offset", [None, 0.0, 1.0], ids=["no-norm", "norm", "norm-offset1"])
+def test_rope_store_kv_matches_twin(
+    env: Env, monkeypatch, tokens: int, head_dim: int, q_heads: int, kv_heads: int, norm_offset
+) -> None:
+    if env.big:
+        q_heads, kv_heads = q_heads * 4, kv_heads * 4
+    q, k, v = _fused_qkv(env, tokens, q_heads, kv_heads, head_dim, seed=60)
+    max_pos, page = (4096, 16) if env.big else (64, 16)
+    g = torch.Generator().manual_seed(61)
+    positions = torch.randint(0, max_pos, (tokens,), generator=g).to(env.device)
+    cos_sin = _rand(env, max_pos, head_dim, seed=62).float()
+    k_cache = torch.full((tokens + 2, page, kv_heads, head_dim), float("nan"), dtype=env.dtype)
+    k_cache, v_cache = k_cache.to(env.device), k_cache.clone().to(env.device)
+    slots = torch.randperm(k_cache.shape[0] * page, generator=g)[:tokens]
+    slots[1::3] = -1  # CUDA-graph padding rows: q is still rotated, the caches stay untouched
+    slots = slots.to(env.device)
+    norm = {}
+    if norm_offset is not None:  # Gemma-style offset 1 with weights near 0, Qwen3-style offset 0 near 1
+        w_q, w_k = _rand(env, head_dim, seed=63, scale=0.5), _rand(env, head_dim, seed=64, scale=0.5)
+        norm = dict(q_norm_weight=w_q + 1 - norm_offset, k_norm_weight=w_k + 1 - norm_offset,
+                    norm_eps=1e-6, norm_offset=norm_offset)  # fmt: skip
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    q_ref = torch_ops.rope_store_kv(q, k, v, positions, cos_sin, ref_k, ref_v, slots, **norm)
+    qkv_before = q.clone(), k.clone(), v.clone()
+    with monkeypatch.context() as m:
+        _poisoned_empty(m)
+        q_out = K["triton_rope"].rope_store_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slots, **norm)
+    assert q_out.is_contiguous() and q_out.shape == q.shape and q_out.dtype == q.dtype
+    _close(q_out, q_ref, env, 4)
+    written = slots[slots >= 0]
+    _close(k_cache.view(-1, kv_heads, head_dim)[written], ref_k.view(-1, kv_heads, head_dim)[written], env, 4)
+    torch.testing.assert_close(v_cache, ref_v, atol=0, rtol=0, equal_nan=True)  # v is copied exactly
+    assert k_cache.isnan().sum() == ref_k.isnan().sum()  # every other slot is still NaN
+    for before, after in zip(qkv_before, (q, k, v)):  # the inputs are read only
+        torch.testing.assert_close(after, before, atol=0, rtol=0)
+
+
+def test_rope_store_kv_rejects_bad_arguments() -> None:
+    env = Env("cpu", torch.float32, 0, 0)
+    q, k, v = _fused_qkv(env, 3, 4, 2, 64, seed=65)
+    pos, slots, cos_sin = torch.arange(3), torch.arange(3), torch.zeros(8, 64)
+    cache = torch.zeros(2, 16, 2, 64)
+    fn = K["triton_rope"].rope_store_kv
+    bad = [
+        ("caches", dict(k_cache=torch.zeros(2, 16, 4, 64))),
+        ("must be contiguous", dict(k_cache=torch.zeros(2, 2, 16, 64).transpose(1, 2))),
+        ("slot_mapping", dict(slot_mapping=torch.arange(4))),
+        ("cos_sin", dict(cos_sin=torch.zeros(8, 32))),
+        ("v must match k", dict(v=q)),
+        ("or neither", dict(q_norm_weight=torch.ones(64))),
+        ("k_norm_weight must be", dict(q_norm_weight=torch.ones(64), k_norm_weight=torch.ones(32))),
+    ]
+    base = dict(q=q, k=k, v=v, positions=pos, cos_sin=cos_sin, k_cache=cache, v_cache=cache)
+    base["slot_mapping"] = slots
+    for match, override in bad:
+        with pytest.raises(ValueError, match=match):
+            fn(**{**base, **override})
+
+
 # ----------------------------------------------------------------------------------------- attention
 
 # (group, kv_heads, head_dim, page, window, softcap, seq_lens, num_splits); None splits = auto.
@@ -234,14 +312,17 @@ def test_decode_attention(env: Env, case, monkeypatch) -> None:
     dec = K["triton_decode_attention"]
     real_alloc = dec._alloc_partials
     monkeypatch.setattr(dec, "_alloc_partials", lambda *a: tuple(_nan(t) for t in real_alloc(*a)))
+    if not env.big:  # short rows: 16-key tiles, so a row spans several non-empty splits to merge
+        monkeypatch.setattr(dec, "decode_config", lambda head_dim: (16, 4, 2))
     meta, k_cache, v_cache = _paged_batch(env, [s - 1 for s in seq_lens], [1] * len(seq_lens), page,
                                           kv_heads, head_dim)  # fmt: skip
     q = _rand(env, len(seq_lens), group * kv_heads, head_dim, seed=11)
     scale = head_dim**-0.5
+    k_new = q[:, :kv_heads]  # the twin reads keys from the cache; k only fixes the head count
+    ref = torch_ops.attention(q, k_new, k_new, k_cache, v_cache, meta, scale, window, softcap)
     out = dec.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, window,
                                softcap, num_splits=splits, out=_nan(q))  # fmt: skip
-    k_new = q[:, :kv_heads]  # the twin reads keys from the cache; k only fixes the head count
-    _close(out, torch_ops.attention(q, k_new, k_new, k_cache, v_cache, meta, scale, window, softcap), env)
+    _close(out, ref, env)
 
 
 def test_decode_padding_rows_read_nothing(env: Env) -> None:
@@ -295,9 +376,10 @@ def test_num_splits_fill_the_gpu_from_shapes_only() -> None:
     choose = K["triton_decode_attention"].choose_num_splits
     # Llama-3.1-8B, batch 1, 128k-token block table on 132 SMs: 4 * 132 programs over 8 KV heads.
     assert choose(1, 8, 8192, 16, 64, 132) == 64  # capped at MAX_SPLITS (want 66)
-    assert choose(64, 8, 8192, 16, 64, 132) == 2  # 64 * 8 * 2 = 1024 >= 528 programs
+    assert choose(16, 8, 8192, 16, 64, 132) == 5  # 16 * 8 * 5 = 640 >= 528 programs
+    assert choose(64, 8, 8192, 16, 64, 132) == 1  # would be 2 (< MIN_SPLITS): one split, no reduce
     assert choose(1, 8, 2, 16, 64, 132) == 1  # a 32-token table holds a single tile
-    assert choose(1, 8, 8192, 16, 64, 132, sliding_window=128) == 2  # the window bounds the keys
+    assert choose(1, 8, 8192, 16, 64, 132, sliding_window=256) == 4  # the window bounds the keys
 
 
 # ----------------------------------------------------------------------------------------- dispatch
@@ -335,6 +417,7 @@ def _route(env: Env, monkeypatch) -> list[str]:
         ("triton_kv", "store_kv"),
         ("triton_prefill_attention", "prefill_attention"),
         ("triton_norm", "add_rms_norm"),
+        ("triton_rope", "rope_store_kv"),
     ]
     for mod, fn in launchers:
         real = getattr(K[mod], fn)
@@ -370,6 +453,74 @@ def test_dispatch_store_kv_and_norm_use_triton(env: Env, monkeypatch) -> None:
     for got, want in zip(ops.add_rms_norm(x, r, w, 1e-6, 1.0), torch_ops.add_rms_norm(x, r, w, 1e-6, 1.0)):
         _close(got, want, env, 4)
     assert calls == ["store_kv", "add_rms_norm"]
+
+
+def _rope_store_kv_inputs(env: Env, norm: bool):
+    meta, k_cache, v_cache = _paged_batch(env, [3, 0], [2, 5], 16, 2, 64, seed=46)
+    q, k, v = _fused_qkv(env, 7, 6, 2, 64, seed=47)
+    positions = torch.tensor([3, 4, 0, 1, 2, 3, 4], device=env.device)
+    kwargs = {}
+    if norm:
+        w = _rand(env, 2, 64, seed=48, scale=0.5)
+        kwargs = dict(q_norm_weight=w[0], k_norm_weight=w[1], norm_eps=1e-6, norm_offset=1.0)
+    cos_sin = _rand(env, 16, 64, seed=49).float()
+    return (q, k, v, positions, cos_sin, k_cache, v_cache, meta.slot_mapping), kwargs
+
+
+def test_dispatch_rope_store_kv_on_cpu_gives_twin_results() -> None:
+    env = Env("cpu", torch.float32, 0, 0)
+    (q, k, v, pos, cs, k_cache, v_cache, slots), norm = _rope_store_kv_inputs(env, norm=True)
+    assert not ops.use_triton(q)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    got = ops.rope_store_kv(q, k, v, pos, cs, k_cache, v_cache, slots, **norm)
+    want = torch_ops.rope_store_kv(q, k, v, pos, cs, ref_k, ref_v, slots, **norm)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    torch.testing.assert_close(k_cache, ref_k, atol=0, rtol=0, equal_nan=True)
+    torch.testing.assert_close(v_cache, ref_v, atol=0, rtol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("norm", [False, True], ids=["no-norm", "norm"])
+def test_dispatch_rope_store_kv_uses_triton(env: Env, monkeypatch, norm: bool) -> None:
+    calls = _route(env, monkeypatch)
+    (q, k, v, pos, cs, k_cache, v_cache, slots), kwargs = _rope_store_kv_inputs(env, norm)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    got = ops.rope_store_kv(q, k, v, pos, cs, k_cache, v_cache, slots, **kwargs)
+    _close(got, torch_ops.rope_store_kv(q, k, v, pos, cs, ref_k, ref_v, slots, **kwargs), env, 4)
+    torch.testing.assert_close(k_cache, ref_k, atol=4 * env.atol, rtol=env.rtol, equal_nan=True)
+    torch.testing.assert_close(v_cache, ref_v, atol=0, rtol=0, equal_nan=True)
+    assert calls == ["rope_store_kv"]
+
+
+def test_attention_layer_fused_prologue_matches_cache_free(env: Env, monkeypatch) -> None:
+    """Attention.forward with a paged cache (one rope_store_kv launch, then prefill / decode kernels reading
+    the cache) gives the rows of the cache-free path over the whole sequences (QK-norm, Gemma offset 1)."""
+    from engine.models.layers import Attention, RotaryEmbedding
+
+    hidden, q_heads, kv_heads, head_dim, lens = 64, 6, 2, 64, [6, 4]
+    attn = Attention(hidden, q_heads, kv_heads, head_dim, RotaryEmbedding(head_dim, 64, 10000.0), 0.125,
+                     qk_norm_eps=1e-6, norm_offset=1.0)  # fmt: skip
+    for i, param in enumerate(attn.parameters()):  # parameters are allocated empty: fill them
+        param.copy_(_rand(Env("cpu", torch.float32, 0, 0), *param.shape, seed=70 + i, scale=0.3))
+    attn = attn.to(env.device, env.dtype)
+    attn.rotary.cos_sin = attn.rotary.cos_sin.float()
+    x = _rand(env, sum(lens), hidden, seed=75)
+    positions = torch.tensor([p for n in lens for p in range(n)], device=env.device)
+    with attention_context(AttentionMetadata.for_full_sequences(lens, env.device)):
+        ref = attn(positions, x)
+    calls = _route(env, monkeypatch)
+    meta, attn.k_cache, attn.v_cache = _paged_batch(env, [0, 0], lens, 16, kv_heads, head_dim, seed=76)
+    i32 = dict(dtype=torch.int32, device=env.device)
+    prefill, decode = [0, 1, 2, 3, 4, 6, 7, 8], [5, 9]  # rows of x: all but the last token, then the last
+    steps = [
+        (prefill, AttentionMetadata(torch.tensor([0, 5, 8], **i32), torch.tensor([5, 3], **i32),
+                                    meta.slot_mapping[prefill], meta.block_tables, [5, 3], [5, 3], 5, 5, 16)),
+        (decode, AttentionMetadata(torch.tensor([0, 1, 2], **i32), torch.tensor(lens, **i32),
+                                   meta.slot_mapping[decode], meta.block_tables, [1, 1], lens, 1, 6, 16)),
+    ]  # fmt: skip
+    for rows, step_meta in steps:
+        with attention_context(step_meta):
+            _close(attn(positions[rows], x[rows]), ref[rows], env, 4)
+    assert calls == ["rope_store_kv", "prefill_attention", "rope_store_kv", "decode_attention"]
 
 
 # ----------------------------------------------------------------------------------------- GPU only

@@ -30,7 +30,7 @@ class Linear(nn.Module):
         self.bias = _empty_param(out_features) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return ops.linear(x, self.weight, self.bias)
 
 
 class MergedLinear(Linear):
@@ -153,12 +153,23 @@ class Attention(nn.Module):
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = ops.apply_rotary(q, k, positions, self.rotary.cos_sin)
         meta = get_context()
-        if self.k_cache is not None and meta.slot_mapping is not None:
-            ops.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        if self.k_cache is not None and meta.slot_mapping is not None and meta.block_tables is not None:
+            # One launch: (QK-norm +) RoPE + cache write. Attention then reads K/V from the paged cache;
+            # the (unrotated) k / v passed below only give it the KV head count.
+            norm = {}
+            if self.q_norm is not None:
+                norm = dict(q_norm_weight=self.q_norm.weight, k_norm_weight=self.k_norm.weight,
+                            norm_eps=self.q_norm.eps, norm_offset=self.q_norm.weight_offset)  # fmt: skip
+            q = ops.rope_store_kv(
+                q, k, v, positions, self.rotary.cos_sin, self.k_cache, self.v_cache, meta.slot_mapping, **norm
+            )
+        else:
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = ops.apply_rotary(q, k, positions, self.rotary.cos_sin)
+            if self.k_cache is not None and meta.slot_mapping is not None:
+                ops.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         out = ops.attention(
             q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.sliding_window, self.softcap
         )
@@ -187,8 +198,8 @@ class GatedMLP(nn.Module):
         self.act_name = _GATED_ACTIVATIONS[activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        act = ops.silu_and_mul if self.act_name == "silu_and_mul" else ops.gelu_tanh_and_mul
-        return self.down_proj(act(self.gate_up_proj(x)))
+        down = self.down_proj
+        return ops.gated_linear(self.gate_up_proj(x), down.weight, down.bias, self.act_name)
 
 
 class DecoderLayer(nn.Module):

@@ -10,7 +10,6 @@ which are merged (packed_modules).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.model_config import ModelConfig
@@ -23,6 +22,7 @@ from engine.models.layers import (
     RMSNorm,
     RotaryEmbedding,
 )
+from kernels import ops
 
 
 class LlamaForCausalLM(nn.Module):
@@ -113,7 +113,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, H] -> logits [N, V] in the model dtype (with the final softcap if configured)."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(hidden, weight)
+        logits = ops.linear(hidden, weight)
         cap = self.cfg.final_logit_softcapping
         if cap:
             logits = torch.tanh(logits / cap) * cap
