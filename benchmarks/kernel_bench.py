@@ -177,7 +177,7 @@ def sweep_decode(copy_gbs: float) -> None:
     """ms per decode-attention call for each DECODE_SWEEP config (module globals patched)."""
     from kernels import triton_decode_attention as tda
 
-    default_config = tda.decode_config
+    default_config, default_pps = tda.decode_config, tda.PROGRAMS_PER_SM
     print("decode configs (BLOCK_N, warps, stages, programs/SM):", DECODE_SWEEP)
     for batch, ctx, hq, hk in DECODE_SWEEP_CASES:
         q, kc, vc, meta, kv_bytes = _decode_case(batch, ctx, hq=hq, hk=hk)
@@ -190,7 +190,7 @@ def sweep_decode(copy_gbs: float) -> None:
         best = min(times)
         print(f"B={batch:<4}ctx={ctx:<5}Hq/Hk={hq}/{hk}: " + " ".join(f"{t * 1e3:6.1f}" for t in times)
               + f"  us; best {kv_bytes / (best * 1e-3) / 1e9 / copy_gbs:.0%} of copy")  # fmt: skip
-    tda.decode_config, tda.PROGRAMS_PER_SM = default_config, 4
+    tda.decode_config, tda.PROGRAMS_PER_SM = default_config, default_pps
 
 
 def bench_elementwise() -> list[tuple]:

@@ -154,7 +154,9 @@ class Attention(nn.Module):
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         meta = get_context()
-        if self.k_cache is not None and meta.slot_mapping is not None and meta.block_tables is not None:
+        # The runner's metadata carries slot_mapping and block_tables together; cache-free metadata
+        # (parity tests, the activation-profiling forward) carries neither, and nothing is stored.
+        if self.k_cache is not None and meta.block_tables is not None:
             # One launch: (QK-norm +) RoPE + cache write. Attention then reads K/V from the paged cache;
             # the (unrotated) k / v passed below only give it the KV head count.
             norm = {}
@@ -168,8 +170,6 @@ class Attention(nn.Module):
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = ops.apply_rotary(q, k, positions, self.rotary.cos_sin)
-            if self.k_cache is not None and meta.slot_mapping is not None:
-                ops.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         out = ops.attention(
             q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.sliding_window, self.softcap
         )
