@@ -66,12 +66,10 @@ def compile_only() -> int:
     bf = dict(dtype=torch.bfloat16)
     for k, n, bias in [(4096, 6144, False), (14336, 4096, False), (4160, 1040, True)]:
         tg.gemv(torch.randn(1, k, **bf), torch.randn(n, k, **bf), torch.randn(n, **bf) if bias else None)
-    for k, act in [(14336, "silu_and_mul"), (8192, "gelu_tanh_and_mul")]:  # down_proj with the MLP act
-        tg.gemv(torch.randn(1, 2 * k, **bf), torch.randn(4096, k, **bf), activation=act)
     failures = 0
     print(f"{'variant':<10}{'smem':>8}  {'registers':<22}checks")
     compiled = list(tg._gemv_kernel.device_caches[0][0].values())
-    failures += len(compiled) < 5
+    failures += len(compiled) < 3
     for i, kern in enumerate(compiled):
         ptx = kern.asm["ptx"]
         regs = _ptxas_registers(ptx)

@@ -22,6 +22,8 @@ class SchedulerConfig:
     max_num_seqs: int = 256  # running sequences at once
     max_waiting: int = 1024  # queued requests beyond which add_request raises QueueFullError
     max_wait_steps: int = 0  # 0: strict FCFS; otherwise reserved for bounded-wait policies
+    # launch the next decode step before the current one's tokens reach the host (engine/llm_engine.py)
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")

@@ -79,13 +79,16 @@ class DecodeGraphs:
         """The smallest captured batch size that holds `batch` decodes, or None when none does."""
         return next((b for b in self.buckets if b >= batch), None)
 
-    def run(self, batch: StepBatch, upload: Uploader) -> torch.Tensor:
-        """Copy this step's inputs into the bucket's buffers, replay its graph, return hidden[:B]."""
+    def run(self, batch: StepBatch, upload: Uploader, fed_back: torch.Tensor | None = None) -> torch.Tensor:
+        """Copy this step's inputs into the bucket's buffers, replay its graph, return hidden[:B].
+        `fed_back`: input ids still on the device (a step scheduled ahead), written over the packed ones."""
         n = len(batch.seq_lens)
         bs = self.bucket(n)
         i64, i32 = pack(batch, bs, self.width)
         static64, static32 = self.inputs[bs]
         upload("i64", i64, out=static64)
         upload("i32", i32, out=static32)
+        if fed_back is not None:
+            static64[:n].copy_(fed_back)  # input_ids are the first rows of the int64 buffer
         self.graphs[bs].replay()
         return self.hidden[:n]

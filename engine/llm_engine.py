@@ -1,6 +1,9 @@
 """LLMEngine: the synchronous core. add_request / step / abort; no threads, no network.
 
 step():  schedule -> run the model -> postprocess
+
+With async scheduling, a decode step is followed on the device by the next one, launched before the
+host has seen the first one's tokens, so the device never waits for the host's token and text work.
 """
 
 from __future__ import annotations
@@ -37,13 +40,14 @@ class LLMEngine:
         self.block_manager = BlockManager(
             self.runner.kv_spec.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
-        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
         self.faults = FaultInjector(config.fault_injection, self.tokenizer.decode)
         eos = set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids)
         self.processor = OutputProcessor(self.tokenizer, eos, self.max_model_len, self.faults)
         self.requests: dict[str, Request] = {}
         self._failed: list[Request] = []
         self._touched: dict[str, Request] = {}  # requests with tokens not yet turned into outputs
+        self._ahead: tuple[SchedulerOutput, PendingSample | None] | None = None  # launched, not yet run
         self._ids = itertools.count()
         self.stats = {
             "num_aborts": 0,
@@ -127,20 +131,39 @@ class LLMEngine:
 
         While the device computes this step, the host turns the previous step's tokens into text and
         outputs (`_emit`), so that work costs no GPU time; outputs therefore trail tokens by one step.
+        A decode step also gets its successor launched behind it (`_launch_ahead`) before its tokens
+        are waited for: the next call runs that one instead of scheduling afresh.
         """
-        out = self.scheduler.schedule()
-        pending = self._launch(out)
+        if self._ahead is not None and not self.scheduler.running:
+            self._ahead = None  # every sequence in it has finished since: nothing to wait for
+        out, pending = self._ahead or self._schedule_and_launch()
+        self._ahead = self._launch_ahead(out, pending)
         outputs = self._emit()
         self._complete(out, pending)
         return outputs + self._flush_failed()
 
-    def _launch(self, out: SchedulerOutput) -> PendingSample | None:
+    def _schedule_and_launch(self) -> tuple[SchedulerOutput, PendingSample | None]:
+        out = self.scheduler.schedule()
+        return out, self._launch(out)
+
+    def _launch_ahead(
+        self, out: SchedulerOutput, pending: PendingSample | None
+    ) -> tuple[SchedulerOutput, PendingSample | None] | None:
+        """Schedule and launch the step after `out` now, feeding back its sampled ids on the device."""
+        if pending is None:
+            return None
+        ahead = self.scheduler.schedule_ahead(out)
+        if ahead is None:
+            return None
+        return ahead, self._launch(ahead, pending)
+
+    def _launch(self, out: SchedulerOutput, prev: PendingSample | None = None) -> PendingSample | None:
         now = time.time()
         for chunk in out.chunks:
             metrics = chunk.seq.request.metrics
             metrics.first_scheduled_time = metrics.first_scheduled_time or now
         try:
-            return self.runner.execute(out) if out.chunks else None
+            return self.runner.execute(out, prev) if out.chunks else None
         except Exception as exc:  # a failed forward fails the requests in it, never the engine
             self._fail_chunks(out, exc)
             return None

@@ -76,11 +76,12 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> PendingSample | None:
-        """Enqueue the step on the device and return its samples unresolved (None: nothing samples)."""
+    def execute(self, out: SchedulerOutput, prev: PendingSample | None = None) -> PendingSample | None:
+        """Enqueue the step on the device and return its samples unresolved (None: nothing samples).
+        A step scheduled ahead (out.prev_rows) takes its input ids from `prev`'s sampled ids."""
         self._copy_blocks(out.block_copies)
         batch = build_batch(out, self.block_size)
-        hidden = self._forward(batch)
+        hidden = self._forward(batch, self._fed_back(out, prev))
         if not batch.samplers:
             return None
         if batch.logit_rows != list(range(len(batch.input_ids))):  # decode steps sample every row
@@ -90,14 +91,26 @@ class ModelRunner:
             logits = logits.index_select(0, self.upload.values("sample_rows", batch.sample_rows, torch.long))
         return self.sampler(logits, [self._sampling_row(s) for s in batch.samplers])
 
-    def _forward(self, batch: StepBatch) -> torch.Tensor:
+    def _fed_back(self, out: SchedulerOutput, prev: PendingSample | None) -> torch.Tensor | None:
+        """The input ids of a step scheduled ahead: rows of the previous step's samples, on the device."""
+        if out.prev_rows is None:
+            return None
+        if prev is None:
+            raise RuntimeError("a step scheduled ahead needs the previous step's samples")
+        if len(out.prev_rows) == prev.sampled.shape[0]:  # increasing rows, none left out: all of them
+            return prev.sampled
+        return prev.sampled.index_select(0, self.upload.values("prev_rows", out.prev_rows, torch.long))
+
+    def _forward(self, batch: StepBatch, fed_back: torch.Tensor | None) -> torch.Tensor:
         n = len(batch.seq_lens)
         if self.graphs is not None and batch.is_decode and self.graphs.bucket(n) is not None:
-            return self.graphs.run(batch, self.upload)
+            return self.graphs.run(batch, self.upload, fed_back)
         width = max(len(t) for t in batch.block_tables)
         i64, i32 = pack(batch, n, width)
         i64, i32 = self.upload("i64", i64), self.upload("i32", i32)
         input_ids, positions, meta = unpack(i64, i32, batch, n, width, self.block_size)
+        if fed_back is not None:
+            input_ids.copy_(fed_back)  # a step scheduled ahead is all decodes: one id per row
         with attention_context(meta):
             return self.model(input_ids, positions)
 

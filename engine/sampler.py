@@ -39,24 +39,34 @@ class SampleResult:
     logprobs: list[tuple[float, list[tuple[int, float]]] | None]  # per row: (chosen lp, top-k) or None
 
 
-@dataclass
 class PendingSample:
-    """Sampled ids still on the device. The engine does other host work while the GPU finishes, then
-    `resolve()` makes the step's one device-to-host copy (plus logprobs, only when a row asked)."""
+    """Sampled ids still on the device. Creating it enqueues their copy to pinned host memory (plus the
+    logprobs, only when a row asked), so the device can go on with a step launched after it; the engine
+    does other host work meanwhile, and `resolve()` waits for that copy alone: the step's one sync."""
 
-    sampled: torch.Tensor
-    raw_logprobs: torch.Tensor | None
-    rows: list[SamplingRow]
+    def __init__(self, sampled: torch.Tensor, raw_logprobs: torch.Tensor | None, rows: list[SamplingRow]):
+        self.sampled = sampled  # stays on the device: a step scheduled ahead feeds it back as input
+        self.rows = rows
+        tensors = [sampled]
+        if raw_logprobs is not None:
+            k = max(max(r.params.logprobs or 0 for r in rows), 1)
+            chosen = raw_logprobs.gather(1, sampled[:, None])[:, 0]
+            top_lp, top_ids = raw_logprobs.topk(k, dim=-1)
+            tensors += [chosen, top_lp, top_ids]
+        self._event = None
+        if sampled.is_cuda:
+            tensors = [t.to("cpu", non_blocking=True) for t in tensors]  # into pinned memory
+            self._event = torch.cuda.Event()
+            self._event.record()
+        self._host = tensors
 
     def resolve(self) -> SampleResult:
-        rows = self.rows
-        if self.raw_logprobs is None:
-            return SampleResult(self.sampled.tolist(), [None] * len(rows))
-        k = max(r.params.logprobs or 0 for r in rows)
-        chosen = self.raw_logprobs.gather(1, self.sampled[:, None])[:, 0]
-        top_lp, top_ids = self.raw_logprobs.topk(max(k, 1), dim=-1)
-        ids, chosen = self.sampled.tolist(), chosen.tolist()
-        top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
+        if self._event is not None:
+            self._event.synchronize()
+        rows, host = self.rows, [t.tolist() for t in self._host]
+        if len(host) == 1:
+            return SampleResult(host[0], [None] * len(rows))
+        ids, chosen, top_lp, top_ids = host
         logprobs = []
         for i, r in enumerate(rows):
             n = r.params.logprobs

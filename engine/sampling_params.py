@@ -107,3 +107,16 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def needs_host_tokens(self) -> bool:
+        """True when the next step's input depends on host-side token work: forced tokens (tool, budget
+        forcing) replace or follow the sampled one, and penalties read the whole token history. Such
+        sequences never run a step ahead of their sampled tokens."""
+        return (
+            self.tool is not None
+            or self.budget_forcing is not None
+            or self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )

@@ -7,6 +7,11 @@ Pure Python bookkeeping (no torch). Each step has one token budget (max_num_batc
 So a long prompt never holds running decodes back for more than one chunk. When KV blocks run out,
 the newest running sequence not yet scheduled this step is preempted: its blocks are dropped and it
 is recomputed later (its tokens are kept, so its output is unchanged).
+
+Async scheduling (`schedule_ahead`): while a pure decode step is still on the device, the next decode
+step of the same sequences is scheduled before their sampled tokens reach the host. Its input tokens
+are the previous step's sampled ids, still on the device (`prev_rows`). A sequence that turns out to
+have finished wasted one row; its blocks, including the one reserved ahead, go back with its table.
 """
 
 from __future__ import annotations
@@ -32,6 +37,9 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk]
     block_copies: list[tuple[int, int]]  # (src, dst) KV block copies to perform before the forward
     num_preempted: int = 0
+    # a step scheduled ahead: row i's input token is the one sampled by row prev_rows[i] of the step
+    # before, which the host has not seen yet (see schedule_ahead)
+    prev_rows: list[int] | None = None
 
     @property
     def num_batched_tokens(self) -> int:
@@ -43,9 +51,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int):
         self.config = config
         self.bm = block_manager
+        self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: oldest first
         self.num_preemptions = 0
@@ -134,6 +143,43 @@ class Scheduler:
         request.seqs.extend(children)
         self.running.extend(children)
         return children
+
+    def schedule_ahead(self, prev: SchedulerOutput) -> SchedulerOutput | None:
+        """The next decode step of `prev`'s sequences, scheduled before `prev`'s tokens are known.
+
+        Called while `prev` is on the device and before its tokens are appended: each sequence holds
+        tokens [0, start] and `prev` samples the token at start + 1, which this step feeds back. Only
+        pure decode steps qualify; sequences that `prev` surely finishes (length limits) or whose next
+        input depends on host work are left out. None when a normal schedule() should run instead:
+        someone is waiting for admission, or the pool cannot give every sequence its next slot.
+        """
+        if not self.config.async_scheduling or not (prev.prev_rows is not None or self._is_decode(prev)):
+            return None
+        if self.waiting and len(self.running) + self._reserved_slots() < self.config.max_num_seqs:
+            return None  # admit them now rather than one step later
+        out = SchedulerOutput(chunks=[], block_copies=[], prev_rows=[])
+        need = 0
+        for row, chunk in enumerate(prev.chunks):
+            seq, pos = chunk.seq, chunk.start + 1  # the position the fed-back token will occupy
+            params = seq.request.params
+            if seq.status is not SeqStatus.RUNNING or params.needs_host_tokens:
+                continue
+            # after `prev` the sequence holds pos + 1 tokens, pos + 1 - num_prompt of them output
+            if pos + 1 - seq.num_prompt >= params.max_tokens or pos + 1 >= self.max_model_len:
+                continue  # `prev` ends it by length
+            need += self.bm.blocks_needed(seq.table, pos + 1)
+            out.chunks.append(ScheduledChunk(seq, pos, 1, [seq]))
+            out.prev_rows.append(row)
+        if not out.chunks or need > self.bm.num_free:
+            return None
+        for chunk in out.chunks:
+            out.block_copies += self.bm.prepare_append(chunk.seq.table, chunk.start, 1)
+        return out
+
+    @staticmethod
+    def _is_decode(out: SchedulerOutput) -> bool:
+        """Every chunk is one token that samples only for itself (no fork in this step)."""
+        return all(c.num_tokens == 1 and len(c.samples) == 1 and c.samples[0] is c.seq for c in out.chunks)
 
     # ------------------------------------------------------------------ after the forward pass
     def update_computed(self, out: SchedulerOutput) -> None:

@@ -48,7 +48,9 @@ def build_batch(out: SchedulerOutput, block_size: int) -> StepBatch:
         blocks = seq.table.blocks
         # position p lives in block blocks[p // block_size] at offset p % block_size
         if end - start == 1:  # the decode case, kept cheap: it runs for every sequence every step
-            b.input_ids.append(seq.token_ids[start])
+            # a step scheduled ahead feeds back a token the host has not seen: 0 holds its place
+            # until the runner copies the sampled id in on the device
+            b.input_ids.append(seq.token_ids[start] if start < len(seq.token_ids) else 0)
             b.positions.append(start)
             b.slot_mapping.append(blocks[start // block_size] * block_size + start % block_size)
         else:

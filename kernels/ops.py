@@ -58,17 +58,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return torch.nn.functional.linear(x, weight, bias)
 
 
-def gated_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str):
-    """linear(act(gate) * up, weight, bias) for x = [..., 2I] = [gate | up]; activation is "silu_and_mul"
-    or "gelu_tanh_and_mul". A single row folds the activation into the GEMV (one kernel, not two)."""
-    if _use_gemv(x[..., : weight.shape[1]], weight, bias):
-        from kernels import triton_gemv
-
-        return triton_gemv.gemv(x.contiguous(), weight, bias, activation=activation)
-    act = silu_and_mul if activation == "silu_and_mul" else gelu_tanh_and_mul
-    return linear(act(x), weight, bias)
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_offset: float = 0.0) -> torch.Tensor:
     if use_triton(x):
         from kernels import triton_norm

@@ -23,8 +23,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_act import gated
-
 # (BLOCK_K, num_stages, MAX_BLOCK_N): short rows take 2 KiB of 4 rows per tile; long rows (K >= LONG_K,
 # e.g. down_proj of an 8B model) take 1 KiB of up to 16 rows, 4 tiles deep.
 SHORT_ROWS = (1024, 2, 4)
@@ -39,7 +37,6 @@ INTERPRETER_SMS = 2
 def _gemv_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, N, K, stride_wn,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-    GATED: tl.constexpr, GELU_TANH: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_K)
@@ -52,16 +49,10 @@ def _gemv_kernel(
         if EVEN_K:  # K % BLOCK_K == 0: no predicates at all
             w = tl.load(w_ptrs + k0, eviction_policy="evict_first")
             x = tl.load(x_ptr + k0 + cols)
-            if GATED:
-                up = tl.load(x_ptr + K + k0 + cols)
         else:
             kmask = k0 + cols < K
             w = tl.load(w_ptrs + k0, mask=kmask[None, :], other=0.0, eviction_policy="evict_first")
             x = tl.load(x_ptr + k0 + cols, mask=kmask, other=0.0)
-            if GATED:
-                up = tl.load(x_ptr + K + k0 + cols, mask=kmask, other=0.0)
-        if GATED:  # x is [gate | up] of length 2K: the MLP's activation, rounded as the unfused op rounds it
-            x = gated(x, up, GELU_TANH).to(w.dtype)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
@@ -85,25 +76,12 @@ def gemv_config(n: int, k: int, sm_count: int) -> tuple[int, int, int]:
     return block_n, block_k, stages
 
 
-GATED_ACTIVATIONS = {"silu_and_mul": False, "gelu_tanh_and_mul": True}  # name -> GELU_TANH
-
-
 def gemv(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    out: torch.Tensor | None = None,
-    activation: str | None = None,
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """x [1, K] (or [K]) @ w [N, K]^T (+ bias) -> [1, N] (or [N]) in x's dtype; fp32 accumulation.
-
-    activation ("silu_and_mul" / "gelu_tanh_and_mul"): x is [1, 2K] = [gate | up] and the GEMV multiplies
-    act(gate) * up, so the MLP's activation kernel is folded into its down projection."""
-    width = 2 * w.shape[1] if activation else w.shape[1]
-    if activation is not None and activation not in GATED_ACTIVATIONS:
-        raise ValueError(f"gemv: activation {activation!r} is not one of {sorted(GATED_ACTIVATIONS)}")
-    if x.shape[-1] != width or x.numel() != width or w.dim() != 2:
-        raise ValueError(f"gemv: x {tuple(x.shape)} must hold one row of {width} for w {tuple(w.shape)}")
+    """x [1, K] (or [K]) @ w [N, K]^T (+ bias) -> [1, N] (or [N]) in x's dtype; fp32 accumulation."""
+    if x.shape[-1] != w.shape[1] or x.numel() != w.shape[1] or w.dim() != 2:
+        raise ValueError(f"gemv: x {tuple(x.shape)} must hold one row of {w.shape[1]} for w {tuple(w.shape)}")
     if not x.is_contiguous() or w.stride(1) != 1 or x.dtype != w.dtype:
         raise ValueError("gemv: x must be contiguous, w's rows contiguous, both of one dtype")
     n, k = w.shape
@@ -117,7 +95,6 @@ def gemv(
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, w, bias if bias is not None else out, out, n, k, w.stride(0),
         BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0,
-        GATED=activation is not None, GELU_TANH=GATED_ACTIVATIONS.get(activation, False),
         num_warps=NUM_WARPS, num_stages=stages,
     )  # fmt: skip
     return out

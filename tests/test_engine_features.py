@@ -6,13 +6,14 @@ import random
 import threading
 
 import pytest
+import torch
 
 from engine import LLM
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.nanochat import Engine as NanochatEngine
-from engine.sampler import SampleResult
+from engine.sampler import PendingSample
 from engine.sampling_params import BudgetForcing, SamplingParams, ToolConfig
 from tests.reference import NaiveGenerator
 
@@ -41,16 +42,20 @@ def drain(engine: LLMEngine, on_step=None) -> dict[str, list[int]]:
 
 
 def record_schedules(engine: LLMEngine) -> list:
-    """Wrap the scheduler so every step's SchedulerOutput is kept for inspection."""
+    """Wrap the scheduler so every step's SchedulerOutput (also those scheduled ahead) is kept."""
     seen = []
-    original = engine.scheduler.schedule
 
-    def schedule():
-        out = original()
-        seen.append([(c.seq.request.request_id, c.num_tokens) for c in out.chunks])
-        return out
+    def wrap(original):
+        def record(*args):
+            out = original(*args)
+            if out is not None:
+                seen.append([(c.seq.request.request_id, c.num_tokens) for c in out.chunks])
+            return out
 
-    engine.scheduler.schedule = schedule
+        return record
+
+    engine.scheduler.schedule = wrap(engine.scheduler.schedule)
+    engine.scheduler.schedule_ahead = wrap(engine.scheduler.schedule_ahead)
     return seen
 
 
@@ -110,24 +115,17 @@ def test_abort_frees_blocks_at_once(tiny_model_dir):
 
 
 class ForcedSampler:
-    """Wraps the real sampler; rows for which `when(call, row_index, row)` holds sample `token` instead."""
+    """Wraps the real sampler; rows for which `when(call, row_index, row)` holds sample `token` instead.
+    The forced ids replace the sampled ones on the device too, where a step scheduled ahead reads them."""
 
     def __init__(self, runner, token: int, when):
         self.real, self.token, self.when, self.calls = runner.sampler, token, when, 0
 
     def __call__(self, logits, rows):
-        pending = self.real(logits, rows)
+        sampled = self.real(logits, rows).sampled
         self.calls += 1
-        forced = [self.when(self.calls, i, r) for i, r in enumerate(rows)]
-        token = self.token
-
-        class Pending:
-            def resolve(self):
-                result = pending.resolve()
-                ids = [token if f else t for f, t in zip(forced, result.token_ids)]
-                return SampleResult(ids, result.logprobs)
-
-        return Pending()
+        forced = torch.tensor([bool(self.when(self.calls, i, r)) for i, r in enumerate(rows)])
+        return PendingSample(torch.where(forced.to(sampled.device), self.token, sampled), None, rows)
 
 
 def test_calculator_result_is_forced_with_mask_zero(tiny_model_dir, reference):

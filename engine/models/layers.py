@@ -198,8 +198,7 @@ class GatedMLP(nn.Module):
         self.act_name = _GATED_ACTIVATIONS[activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        down = self.down_proj
-        return ops.gated_linear(self.gate_up_proj(x), down.weight, down.bias, self.act_name)
+        return self.down_proj(getattr(ops, self.act_name)(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

@@ -1,0 +1,167 @@
+"""Async scheduling: a decode step launched before the previous step's tokens reach the host must
+change nothing that a request sees, and must never leak a KV block."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from tests.reference import NaiveGenerator
+
+pytestmark = pytest.mark.engine
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    return NaiveGenerator(tiny_model_dir)
+
+
+def make_engine(model_dir, **kw) -> LLMEngine:
+    return LLMEngine(EngineConfig.from_kwargs(str(model_dir), dtype="float64", device="cpu", **kw))
+
+
+def count_ahead(engine: LLMEngine) -> list[int]:
+    """Wrap schedule_ahead; the returned list collects the batch size of every step scheduled ahead."""
+    sizes: list[int] = []
+    original = engine.scheduler.schedule_ahead
+
+    def wrapped(prev):
+        out = original(prev)
+        if out is not None:
+            sizes.append(len(out.chunks))
+        return out
+
+    engine.scheduler.schedule_ahead = wrapped
+    return sizes
+
+
+def run(engine: LLMEngine, requests: list[tuple[list[int], SamplingParams]]) -> dict[str, tuple]:
+    """Every sample's (token ids, text, finish reason, logprobs), keyed by request index."""
+    ids = [engine.add_request(p, sp, request_id=f"r{i}") for i, (p, sp) in enumerate(requests)]
+    got: dict[str, list[list]] = {rid: [] for rid in ids}
+    while engine.has_unfinished():
+        for out in engine.step():
+            for d in out.outputs:
+                got[out.request_id].append((d.index, d.token_ids, d.text, d.finish_reason, d.logprobs))
+    result = {}
+    for rid, deltas in got.items():
+        per_sample: dict[int, list] = {}
+        for index, toks, text, reason, lps in deltas:
+            s = per_sample.setdefault(index, [[], "", None, []])
+            s[0] += toks
+            s[1] += text
+            s[2] = reason or s[2]
+            s[3] += lps or []
+        result[rid] = {i: tuple(s) for i, s in per_sample.items()}
+    assert engine.audit() == [] and engine.block_manager.num_used == 0
+    return result
+
+
+def mixed_requests(vocab: int) -> list[tuple[list[int], SamplingParams]]:
+    """Requests that end at every kind of point: by length (1..30), on a stop id, on a stop string,
+    on EOS; seeded sampling, logprobs, n > 1 and penalties (which never run ahead) among them."""
+    rng = random.Random(7)
+    reqs = []
+    for i in range(14):
+        prompt = [rng.randrange(vocab) for _ in range(rng.randint(3, 60))]
+        kind = i % 7
+        params = dict(max_tokens=rng.randint(1, 30), temperature=0.0, ignore_eos=True)
+        if kind == 1:
+            params.update(temperature=0.9, top_p=0.9, seed=100 + i)
+        elif kind == 2:
+            params.update(logprobs=3)
+        elif kind == 3:
+            params.update(n=3, temperature=1.0, seed=5 + i)
+        elif kind == 4:
+            params.update(repetition_penalty=1.3, frequency_penalty=0.5)
+        elif kind == 5:
+            params.update(stop_token_ids=[rng.randrange(vocab) for _ in range(60)])
+        elif kind == 6:
+            params.update(stop=["e", "a"], ignore_eos=False)
+        reqs.append((prompt, SamplingParams(**params)))
+    return reqs
+
+
+def test_async_scheduling_changes_no_output(tiny_model_dir):
+    sync = make_engine(tiny_model_dir, async_scheduling=False)
+    eng = make_engine(tiny_model_dir)
+    vocab = eng.runner.model_config.vocab_size
+    reqs = mixed_requests(vocab)
+    ahead = count_ahead(eng)
+    assert count_ahead(sync) == [] and run(sync, reqs) == run(eng, reqs)
+    assert len(ahead) > 20 and max(ahead) >= 8, "the workload must exercise steps scheduled ahead"
+
+
+def test_async_scheduling_matches_a_naive_recompute_at_length_limits(tiny_model_dir, reference):
+    """Sequences that run into max_tokens or max_model_len on the very step after a step launched ahead."""
+    eng = make_engine(tiny_model_dir, max_model_len=48, block_size=4)
+    ahead = count_ahead(eng)
+    rng = random.Random(11)
+    prompts = [[rng.randrange(1000) for _ in range(rng.randint(10, 40))] for _ in range(8)]
+    reqs = [
+        (p, SamplingParams(max_tokens=min(48 - len(p), 6 + i), temperature=0.0, ignore_eos=True))
+        for i, p in enumerate(prompts)
+    ]
+    got = run(eng, reqs)
+    for i, (p, sp) in enumerate(reqs):
+        assert got[f"r{i}"][0][0] == reference.greedy(p, sp.max_tokens)
+    assert ahead, "no step was scheduled ahead"
+
+
+def test_abort_while_a_step_is_scheduled_ahead_frees_everything(tiny_model_dir, reference):
+    eng = make_engine(tiny_model_dir, block_size=4)
+    ahead = count_ahead(eng)
+    greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    keep, gone = eng.add_request(list(range(1, 30)), greedy), eng.add_request(list(range(5, 40)), greedy)
+    tokens = []
+    for _ in range(6):
+        tokens += [
+            t for out in eng.step() if out.request_id == keep for d in out.outputs for t in d.token_ids
+        ]
+    assert eng._ahead is not None and ahead, "a step should be in flight ahead"
+    final = eng.abort(gone)
+    assert final.finished and final.outputs[0].finish_reason == "abort"
+    while eng.has_unfinished():
+        tokens += [t for out in eng.step() for d in out.outputs for t in d.token_ids]
+    assert tokens == reference.greedy(list(range(1, 30)), 40)
+    assert eng.block_manager.num_used == 0 and eng.audit() == []
+
+
+def test_a_short_pool_falls_back_to_a_normal_schedule_that_preempts(tiny_model_dir, reference):
+    """With too few free blocks the engine falls back to a normal schedule (which may preempt)."""
+    eng = make_engine(tiny_model_dir, block_size=4, num_blocks=24)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(1000) for _ in range(rng.randint(10, 30))] for _ in range(6)]
+    reqs = [(p, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)) for p in prompts]
+    got = run(eng, reqs)
+    for i, p in enumerate(prompts):
+        assert got[f"r{i}"][0][0] == reference.greedy(p, 12)
+    assert eng.scheduler.num_preemptions > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_async_scheduling_on_the_gpu_with_cuda_graphs(tiny_model_dir, reference):
+    """Ids fed back inside the graph's input buffer, and the pinned copy of sampled ids, on a real GPU:
+    sequences of uneven lengths (rows die while a step is in flight) against a naive recompute."""
+    eng = LLMEngine(
+        EngineConfig.from_kwargs(str(tiny_model_dir), dtype="float32", device="cuda", num_blocks=400)
+    )
+    assert eng.runner.graphs is not None
+    ahead = count_ahead(eng)
+    rng = random.Random(4)
+    prompts = [[rng.randrange(1500) for _ in range(rng.randint(1, 200))] for _ in range(24)]
+    reqs = [
+        (p, SamplingParams(max_tokens=rng.randint(1, 24), temperature=0.0, ignore_eos=True)) for p in prompts
+    ]
+    got = run(eng, reqs)
+    mismatches = sum(
+        got[f"r{i}"][0][0] != reference.greedy(p, sp.max_tokens) for i, (p, sp) in enumerate(reqs)
+    )
+    assert mismatches <= 1, f"{mismatches} of {len(reqs)} sequences differ from the fp64 reference"
+    assert len(ahead) > 10
