@@ -1,6 +1,6 @@
 """Turns sampled tokens into per-request outputs: forced tokens, stops, text deltas, finish reasons.
 
-Token-level work (`append`, on the critical path between two steps), for each sampling sequence:
+Token-level work (`append`, between two steps unless the next one was launched ahead), per sample:
   1. budget forcing: a sampled suppress token before the budget is spent becomes a replacement string;
   2. the calculator tool: a sampled python-end marker evaluates the expression since the last
      python-start marker and forces "<output_start> result <output_end>" into this sequence only;
@@ -54,7 +54,7 @@ class OutputProcessor:
         return seq.state["out"]
 
     def append(self, seq: Sequence, token: int, logprob) -> str | None:
-        """Token-level work, on the critical path between two steps: append the sampled token (or its
+        """Token-level work, done before the next step is scheduled: append the sampled token (or its
         forced replacement), check stop ids / EOS and length. Returns a finish reason or None."""
         params, st = seq.request.params, self.state(seq)
         self.faults.check("sample", seq.request)
