@@ -216,6 +216,13 @@ def bench_elementwise() -> list[tuple]:
     return [(name, _ms(lambda f=f: f(ops)), _ms(lambda f=f: f(torch_ops)), "") for name, f in cases]
 
 
+def run_gpu_tests(test_file: str) -> int:
+    """The gpu-marked tests of one file, in a subprocess; its exit code (timings still run after a
+    failed check: one GPU session should report both)."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "--tb=short", "-m", "gpu", test_file]
+    return subprocess.run(cmd, cwd=ROOT).returncode
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--compile-only", action="store_true", help="build for sm_90 on CPU, no GPU needed")
@@ -230,10 +237,7 @@ def main() -> int:
     if args.sweep_decode:
         sweep_decode(copy_bandwidth())
         return 0
-    tests_rc = 0  # timings still run after a failed check: one GPU session should report both
-    if not args.no_tests:
-        cmd = [sys.executable, "-m", "pytest", "-q", "--tb=short", "-m", "gpu", "tests/test_kernels.py"]
-        tests_rc = subprocess.run(cmd, cwd=ROOT).returncode
+    tests_rc = 0 if args.no_tests else run_gpu_tests("tests/test_kernels.py")
     copy_gbs = copy_bandwidth()
     rows = [bench_decode_case(b, ctx, copy_gbs) for b in (1, 64) for ctx in (1024, 4096)]
     rows += bench_elementwise()

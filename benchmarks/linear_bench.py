@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from benchmarks.kernel_bench import _ms, copy_bandwidth  # noqa: E402
+from benchmarks.kernel_bench import _ms, copy_bandwidth, run_gpu_tests  # noqa: E402
 
 SHAPES = [  # (name, K, N)
     ("8b qkv", 4096, 6144), ("8b o", 4096, 4096), ("8b gate_up", 4096, 28672), ("8b down", 14336, 4096),
@@ -159,19 +159,7 @@ def main() -> int:
     if args.sweep_gemv:
         sweep_gemv()
         return 0
-    tests_rc = 0  # timings still run after a failed check: one GPU session should report both
-    if not args.no_tests:
-        cmd = [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "--tb=short",
-            "-m",
-            "gpu",
-            "tests/test_kernels_linear.py",
-        ]
-        tests_rc = subprocess.run(cmd, cwd=ROOT).returncode
+    tests_rc = 0 if args.no_tests else run_gpu_tests("tests/test_kernels_linear.py")
     copy_gbs = copy_bandwidth()
     rows = bench(copy_gbs)
     print(f"\n{torch.cuda.get_device_name()}: device copy {copy_gbs:.0f} GB/s (read + write); us per call")
