@@ -10,6 +10,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import enabled as pdl_enabled
+from kernels.pdl import wait_for_inputs
+
 BLOCK = 1024  # 1024 elements / (4 warps x 32 lanes) = 8 bf16 per thread = one 16-byte load
 
 
@@ -34,8 +37,9 @@ def gated(gate, up, GELU_TANH: tl.constexpr):
 @triton.jit
 def _gated_kernel(
     x_ptr, out_ptr, stride_x, stride_out, inter,
-    GELU_TANH: tl.constexpr, BLOCK: tl.constexpr,
+    GELU_TANH: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_inputs(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -61,9 +65,11 @@ def _launch(x: torch.Tensor, gelu_tanh: bool, out: torch.Tensor | None) -> torch
     if x2.shape[0] == 0:
         return out
     grid = (x2.shape[0], triton.cdiv(inter, BLOCK))
+    pdl = pdl_enabled(x.device)
     _gated_kernel[grid](
-        x2, out2, x2.stride(0), out2.stride(0), inter, GELU_TANH=gelu_tanh, BLOCK=BLOCK, num_warps=4
-    )
+        x2, out2, x2.stride(0), out2.stride(0), inter,
+        GELU_TANH=gelu_tanh, BLOCK=BLOCK, USE_PDL=pdl, num_warps=4, launch_pdl=pdl,
+    )  # fmt: skip
     return out
 
 

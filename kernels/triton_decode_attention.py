@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import enabled as pdl_enabled
+from kernels.pdl import wait_for_inputs
 from kernels.triton_attn_common import load_paged_rows, online_softmax_step, scores_log2
 
 MAX_SPLITS = 64  # reduce kernel's fixed block: one compiled variant for every split count
@@ -40,8 +42,9 @@ def _decode_split_kernel(
     stride_ob, stride_oh, scale, softcap, window, num_splits,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr,
-    DIRECT: tl.constexpr,
+    DIRECT: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_inputs(USE_PDL)
     b = tl.program_id(0).to(tl.int64)
     kh = tl.program_id(1)
     split = tl.program_id(2)
@@ -91,8 +94,9 @@ def _decode_split_kernel(
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(
     part_o_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh, num_splits,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MAX_SPLITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MAX_SPLITS: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_inputs(USE_PDL)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.arange(0, MAX_SPLITS)
@@ -189,6 +193,7 @@ def decode_attention(
         raise ValueError(f"decode_attention: num_splits {num_splits} outside [1, {MAX_SPLITS}]")
     part_o, part_lse = _alloc_partials(batch, num_q_heads, num_splits, head_dim, q.device)
     block_d = triton.next_power_of_2(head_dim)
+    pdl = pdl_enabled(q.device)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, part_o, part_lse, out,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -197,12 +202,12 @@ def decode_attention(
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
         PAGE=page, BLOCK_N=block_n, HAS_SOFTCAP=softcap is not None,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        DIRECT=num_splits == 1, num_warps=num_warps, num_stages=num_stages,
+        DIRECT=num_splits == 1, USE_PDL=pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
     )  # fmt: skip
     if num_splits == 1:
         return out
     _decode_reduce_kernel[(batch, num_q_heads)](
         part_o, part_lse, out, out.stride(0), out.stride(1), num_splits,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, MAX_SPLITS=MAX_SPLITS, num_warps=4,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, MAX_SPLITS=MAX_SPLITS, USE_PDL=pdl, num_warps=4, launch_pdl=pdl,
     )  # fmt: skip
     return out

@@ -23,6 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import enabled as pdl_enabled
+from kernels.pdl import wait_for_inputs
+
 # (BLOCK_K, num_stages, MAX_BLOCK_N): short rows take 2 KiB of 4 rows per tile; long rows (K >= LONG_K,
 # e.g. down_proj of an 8B model) take 1 KiB of up to 16 rows, 4 tiles deep.
 SHORT_ROWS = (1024, 2, 4)
@@ -34,9 +37,24 @@ INTERPRETER_SMS = 2
 
 
 @triton.jit
+def _w_tile(w_ptrs, cols, k0, K, EVEN_K: tl.constexpr):
+    if EVEN_K:  # K % BLOCK_K == 0: no predicates at all
+        return tl.load(w_ptrs + k0, eviction_policy="evict_first")
+    return tl.load(w_ptrs + k0, mask=(k0 + cols < K)[None, :], other=0.0, eviction_policy="evict_first")
+
+
+@triton.jit
+def _x_tile(x_ptr, cols, k0, K, EVEN_K: tl.constexpr):
+    if EVEN_K:
+        return tl.load(x_ptr + k0 + cols).to(tl.float32)
+    return tl.load(x_ptr + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, N, K, stride_wn,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_K)
@@ -44,16 +62,14 @@ def _gemv_kernel(
     # 16-byte copy; the store masks those lanes.
     w_rows = tl.minimum(rows, N - 1).to(tl.int64)
     w_ptrs = w_ptr + w_rows[:, None] * stride_wn + cols[None, :]
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:  # K % BLOCK_K == 0: no predicates at all
-            w = tl.load(w_ptrs + k0, eviction_policy="evict_first")
-            x = tl.load(x_ptr + k0 + cols)
-        else:
-            kmask = k0 + cols < K
-            w = tl.load(w_ptrs + k0, mask=kmask[None, :], other=0.0, eviction_policy="evict_first")
-            x = tl.load(x_ptr + k0 + cols, mask=kmask, other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    # Tile 0 is peeled: W is never written during a step, so its load is issued before waiting for the
+    # previous kernel (which produces x) and the weight stream starts while that kernel drains (kernels.pdl).
+    w = _w_tile(w_ptrs, cols, 0, K, EVEN_K)
+    wait_for_inputs(USE_PDL)
+    acc = w.to(tl.float32) * _x_tile(x_ptr, cols, 0, K, EVEN_K)[None, :]
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        w = _w_tile(w_ptrs, cols, k0, K, EVEN_K)
+        acc += w.to(tl.float32) * _x_tile(x_ptr, cols, k0, K, EVEN_K)[None, :]
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(bias_ptr + w_rows).to(tl.float32)
@@ -92,9 +108,10 @@ def gemv(
     if n == 0:
         return out
     block_n, block_k, stages = gemv_config(n, k, _sm_count(x.device))
+    pdl = pdl_enabled(x.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, w, bias if bias is not None else out, out, n, k, w.stride(0),
         BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0,
-        num_warps=NUM_WARPS, num_stages=stages,
+        USE_PDL=pdl, num_warps=NUM_WARPS, num_stages=stages, launch_pdl=pdl,
     )  # fmt: skip
     return out

@@ -11,6 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import enabled as pdl_enabled
+from kernels.pdl import wait_for_inputs
+
 MAX_HIDDEN = 65536
 
 
@@ -30,10 +33,13 @@ def _rms_norm_kernel(
     weight_offset,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)  # int64: row * stride may exceed 2**31 for long batches
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # a weight: safe before the wait
+    wait_for_inputs(USE_PDL)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
@@ -42,7 +48,6 @@ def _rms_norm_kernel(
         tl.store(res_out_ptr + row * stride_res_out + cols, x, mask=mask)
     xf = x.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     y = xf * inv_rms * (weight_offset + w)
     tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -78,11 +83,12 @@ def _launch(x, residual, weight, eps, weight_offset, out=None, residual_out=None
     block = triton.next_power_of_2(n)
     # ~16-byte vectors per thread: 8 bf16 lanes x 32 threads = 256 elements per warp.
     num_warps = min(16, max(1, block // 256))
+    pdl = pdl_enabled(x.device)
     _rms_norm_kernel[(x2.shape[0],)](
         x2, res2, weight, out2, res_out2,
         x2.stride(0), res2.stride(0), out2.stride(0), res_out2.stride(0),
         n, eps, weight_offset,
-        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=num_warps,
+        HAS_RESIDUAL=residual is not None, BLOCK=block, USE_PDL=pdl, num_warps=num_warps, launch_pdl=pdl,
     )  # fmt: skip
     return out, res_out
 

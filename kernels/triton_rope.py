@@ -17,6 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import enabled as pdl_enabled
+from kernels.pdl import wait_for_inputs
+
 
 @triton.jit
 def _cos_sin_row(pos_ptr, cos_sin_ptr, stride_cs, t, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
@@ -79,8 +82,9 @@ def _rope_store_kv_kernel(
     q_w_ptr, k_w_ptr, eps, w_offset,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs, num_q_heads, num_kv_heads,
     HAS_NORM: tl.constexpr, HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-    BLOCK_HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_inputs(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     cos, sin = _cos_sin_row(pos_ptr, cos_sin_ptr, stride_cs, t, HALF, BLOCK_HALF)
     _rotate_heads(
@@ -206,12 +210,14 @@ def rope_store_kv(
     q_w, k_w = (q_norm_weight, k_norm_weight) if has_norm else (q, k)  # unread stand-ins without the norm
     half, block_hq = head_dim // 2, triton.next_power_of_2(num_q_heads)
     block_half = triton.next_power_of_2(half)
+    pdl = pdl_enabled(q.device)
     _rope_store_kv_kernel[(num_tokens,)](
         q, k, v, q_out, positions, cos_sin, k_cache, v_cache, slot_mapping,
         q_w, k_w, float(norm_eps), float(norm_offset),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin.stride(0),
         num_q_heads, k.shape[1],
         HAS_NORM=has_norm, HALF=half, BLOCK_HQ=block_hq, BLOCK_HK=triton.next_power_of_2(k.shape[1]),
-        BLOCK_HALF=block_half, num_warps=min(8, max(1, block_hq * block_half // 256)),  # as apply_rotary
+        BLOCK_HALF=block_half, USE_PDL=pdl, launch_pdl=pdl,
+        num_warps=min(8, max(1, block_hq * block_half // 256)),  # as apply_rotary
     )  # fmt: skip
     return q_out
