@@ -11,6 +11,9 @@ it reports, per step:
     their Triton or ATen kernel), and the weight bandwidth the matmuls reach (step weights / matmul time);
   * GPU busy time (the union of kernel intervals) and idle time (wall time of a step minus busy):
     launch gaps inside a graph plus any host time the GPU waited for.
+With programmatic dependent launch (kernels.pdl, on Hopper) a kernel starts while its predecessor drains
+and its record includes the time it spent waiting, so kernel times overlap: shares can sum past 100%,
+and a kind's time bounds what removing it could save rather than measuring it.
 The markdown table goes to stdout and <out>/decode_profile_<model>_b<batch>.{json,md}.
 """
 
@@ -153,6 +156,7 @@ def to_markdown(model: str, batch: int, prompt: int, s: dict, weight_bytes: int)
         f"{s['launch_gaps_us']:.0f} us, waits for the host {s['host_waits_us']:.0f} us "
         f"(gaps >= {HOST_GAP_US:.0f} us); "
         f"{s['kernels_per_step']:.0f} kernels per step; matmuls read the weights at {gbs:.0f} GB/s.",
+        "Kernels launched with PDL overlap their predecessors (kernels.pdl): shares may sum past 100%.",
         "",
         "| kernel | calls / step | us / step | share of step |",
         "|---|---|---|---|",

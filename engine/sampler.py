@@ -87,10 +87,13 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> PendingSample:
         self._slot = 0
+        if all(r.params.greedy and _no_penalty(r.params) for r in rows) and not _wants_logprobs(rows):
+            # The common benchmark case: one argmax, on the model's dtype (widening is exact: same ids).
+            return PendingSample(fast_argmax(logits), None, rows)
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if _wants_logprobs(rows) else None
         logits = self._apply_penalties(logits, rows)
-        if all(r.params.greedy for r in rows):  # the common benchmark case: one argmax, nothing else
+        if all(r.params.greedy for r in rows):
             return PendingSample(fast_argmax(logits), raw_logprobs, rows)
         greedy = self._t([r.params.greedy for r in rows], torch.bool)
         temperature = self._t([r.params.temperature or 1.0 for r in rows])

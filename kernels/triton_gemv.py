@@ -34,6 +34,7 @@ LONG_K = 12288
 NUM_WARPS = 4
 MIN_PROGRAMS_PER_SM = 2
 INTERPRETER_SMS = 2
+MAX_PREFETCH_ELEMS = 4096  # a W tile this small is fetched two deep before the PDL wait
 
 
 @triton.jit
@@ -54,7 +55,7 @@ def _x_tile(x_ptr, cols, k0, K, EVEN_K: tl.constexpr):
 def _gemv_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, N, K, stride_wn,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    PREFETCH: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_K)
@@ -62,12 +63,17 @@ def _gemv_kernel(
     # 16-byte copy; the store masks those lanes.
     w_rows = tl.minimum(rows, N - 1).to(tl.int64)
     w_ptrs = w_ptr + w_rows[:, None] * stride_wn + cols[None, :]
-    # Tile 0 is peeled: W is never written during a step, so its load is issued before waiting for the
-    # previous kernel (which produces x) and the weight stream starts while that kernel drains (kernels.pdl).
+    # The first PREFETCH tiles are peeled: W is never written during a step, so their loads are issued
+    # before waiting for the previous kernel (which produces x), and the weight stream starts while that
+    # kernel drains (kernels.pdl). PREFETCH = 2 only when K holds two whole tiles.
     w = _w_tile(w_ptrs, cols, 0, K, EVEN_K)
+    if PREFETCH == 2:
+        w1 = _w_tile(w_ptrs, cols, BLOCK_K, K, EVEN_K)
     wait_for_inputs(USE_PDL)
     acc = w.to(tl.float32) * _x_tile(x_ptr, cols, 0, K, EVEN_K)[None, :]
-    for k0 in range(BLOCK_K, K, BLOCK_K):
+    if PREFETCH == 2:
+        acc += w1.to(tl.float32) * _x_tile(x_ptr, cols, BLOCK_K, K, EVEN_K)[None, :]
+    for k0 in range(PREFETCH * BLOCK_K, K, BLOCK_K):
         w = _w_tile(w_ptrs, cols, k0, K, EVEN_K)
         acc += w.to(tl.float32) * _x_tile(x_ptr, cols, k0, K, EVEN_K)[None, :]
     y = tl.sum(acc, axis=1)
@@ -109,9 +115,11 @@ def gemv(
         return out
     block_n, block_k, stages = gemv_config(n, k, _sm_count(x.device))
     pdl = pdl_enabled(x.device)
+    # Two tiles ahead while small (16 KiB per program in registers), one for the big long-row tiles.
+    prefetch = 2 if k >= 2 * block_k and block_n * block_k <= MAX_PREFETCH_ELEMS else 1
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, w, bias if bias is not None else out, out, n, k, w.stride(0),
         BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0,
-        USE_PDL=pdl, num_warps=NUM_WARPS, num_stages=stages, launch_pdl=pdl,
+        PREFETCH=prefetch, USE_PDL=pdl, num_warps=NUM_WARPS, num_stages=stages, launch_pdl=pdl,
     )  # fmt: skip
     return out
