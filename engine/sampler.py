@@ -87,11 +87,12 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> PendingSample:
         self._slot = 0
-        if all(r.params.greedy and _no_penalty(r.params) for r in rows) and not _wants_logprobs(rows):
+        wants_logprobs = _wants_logprobs(rows)
+        if not wants_logprobs and all(r.params.greedy and _no_penalty(r.params) for r in rows):
             # The common benchmark case: one argmax, on the model's dtype (widening is exact: same ids).
             return PendingSample(fast_argmax(logits), None, rows)
         logits = logits.float()
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if _wants_logprobs(rows) else None
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None
         logits = self._apply_penalties(logits, rows)
         if all(r.params.greedy for r in rows):
             return PendingSample(fast_argmax(logits), raw_logprobs, rows)
