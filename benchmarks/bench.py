@@ -234,6 +234,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
     p.add_argument("--max-num-seqs", type=int, default=256, help="engine max_num_seqs for (c)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    p.add_argument("--blas-library", choices=["cublas", "cublaslt"], default="cublaslt", help="engine GEMMs")
     for key, value in Sizes().as_dict().items():  # --a-gen 256, --hf-c-requests 64, ...
         p.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=None)
     p.add_argument("--job", help=argparse.SUPPRESS)

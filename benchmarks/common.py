@@ -37,6 +37,7 @@ class Sizes:
     c_max_len: int = 1024
     c_token_max: int = 10000
     c_temperature: float = 0.6  # as nano-vllm's bench
+    c_reps: int = 3  # full (c) runs; the median run is reported (one 7-s run varied by ~15% across hosts)
     hf_c_requests: int = 64  # transformers' continuous batching runs the first K requests of (c)
 
     @staticmethod
@@ -52,6 +53,7 @@ class Sizes:
             c_requests=6,
             c_min_len=8,
             c_max_len=40,
+            c_reps=1,
             hf_c_requests=3,
         )
 

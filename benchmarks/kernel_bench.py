@@ -61,7 +61,7 @@ def _fake_hopper_driver():
 
 def _launch_all_on_cpu() -> list:
     """Call every launcher once per served configuration; returns the JIT functions involved."""
-    from kernels import triton_act, triton_kv, triton_norm, triton_rope
+    from kernels import triton_act, triton_argmax, triton_kv, triton_norm, triton_rope
     from kernels import triton_decode_attention as dec
     from kernels import triton_prefill_attention as pre
 
@@ -72,6 +72,7 @@ def _launch_all_on_cpu() -> list:
         triton_norm.add_rms_norm(x, x.clone(), torch.randn(hidden, **bf), 1e-6, offset)
         triton_act.silu_and_mul(torch.randn(4, 2 * 14336, **bf))
         triton_act.gelu_tanh_and_mul(torch.randn(4, 2 * 14336, **bf))
+    triton_argmax.argmax(torch.randn(2, 128256, **bf))
     # (q heads, kv heads, head_dim, window, softcap): Llama-3.1-8B, Gemma-2-9B local layer, a D=64 model
     models = [(32, 8, 128, None, None), (16, 8, 256, 4096, 50.0), (8, 8, 64, None, None)]
     for hq, hk, d, window, cap in models:
@@ -87,12 +88,12 @@ def _launch_all_on_cpu() -> list:
         tables = torch.arange(8, dtype=torch.int32).view(2, 4)
         lens, cu = torch.tensor([40, 64], dtype=torch.int32), torch.tensor([0, 3, 6], dtype=torch.int32)
         dec.decode_attention(q[:2], cache, cache, tables, lens, 0.1, window, cap)  # 1 split: direct
-        dec.decode_attention(q[:2], cache, cache, tables, lens, 0.1, window, cap, num_splits=2)  # + reduce
+        dec.decode_attention(q[:2], cache, cache, tables, lens, 0.1, window, cap, num_splits=2)  # + merge
         pre.prefill_attention(q, cache, cache, cu, lens, 3, 0.1, tables, window, cap)
         pre.prefill_attention(q, k, k, cu, torch.tensor([3, 3]), 3, 0.1, None, window, cap)
     return [triton_norm._rms_norm_kernel, triton_act._gated_kernel, triton_rope._rope_kernel,
             triton_rope._rope_store_kv_kernel, triton_kv._store_kv_kernel, dec._decode_split_kernel,
-            dec._decode_reduce_kernel, pre._prefill_kernel]  # fmt: skip
+            triton_argmax._argmax_kernel, pre._prefill_kernel]  # fmt: skip
 
 
 def compile_only() -> int:
@@ -164,9 +165,10 @@ def bench_decode_case(batch: int, ctx: int, copy_gbs: float) -> tuple:
     return f"decode B={batch} ctx={ctx}", t_tri, t_twin, note
 
 
-DECODE_SWEEP = [  # (BLOCK_N, num_warps, num_stages, PROGRAMS_PER_SM); the first is the shipped default
-    (64, 4, 2, 4), (64, 4, 3, 4), (128, 4, 2, 4), (128, 4, 3, 4), (128, 8, 3, 4), (32, 4, 4, 4),
-    (64, 4, 3, 8), (64, 8, 3, 4), (128, 4, 3, 8), (32, 2, 4, 8),
+DECODE_SWEEP = [  # (BLOCK_N, num_warps, num_stages, PROGRAMS_PER_SM, MIN_SPLITS); the first is the default
+    (64, 4, 3, 4, 3), (64, 4, 2, 4, 3), (128, 4, 2, 4, 3), (128, 8, 3, 4, 3), (32, 4, 4, 4, 3),
+    (64, 4, 3, 4, 2), (64, 8, 3, 4, 2), (128, 4, 2, 4, 2), (32, 4, 3, 4, 2), (64, 4, 3, 8, 2),
+    (32, 2, 4, 8, 2), (64, 4, 3, 2, 2),
 ]  # fmt: skip
 DECODE_SWEEP_CASES = [  # (batch, ctx, Hq, Hk): (a) 8B, (b) 8B, (c)-like Qwen3-0.6B, long context
     (1, 1100, 32, 8), (64, 1064, 32, 8), (256, 600, 16, 8), (256, 1200, 16, 8), (64, 4096, 32, 8),
@@ -174,23 +176,25 @@ DECODE_SWEEP_CASES = [  # (batch, ctx, Hq, Hk): (a) 8B, (b) 8B, (c)-like Qwen3-0
 
 
 def sweep_decode(copy_gbs: float) -> None:
-    """ms per decode-attention call for each DECODE_SWEEP config (module globals patched)."""
+    """us per decode-attention call for each DECODE_SWEEP config (module globals patched). Block tables
+    are as wide as the context here; the engine's graphs use max_model_len wide ones, which can only
+    raise the split count where the context caps it (batch 1)."""
     from kernels import triton_decode_attention as tda
 
-    default_config, default_pps = tda.decode_config, tda.PROGRAMS_PER_SM
-    print("decode configs (BLOCK_N, warps, stages, programs/SM):", DECODE_SWEEP)
+    saved = tda.decode_config, tda.PROGRAMS_PER_SM, tda.MIN_SPLITS
+    print("decode configs (BLOCK_N, warps, stages, programs/SM, min splits):", DECODE_SWEEP)
     for batch, ctx, hq, hk in DECODE_SWEEP_CASES:
         q, kc, vc, meta, kv_bytes = _decode_case(batch, ctx, hq=hq, hk=hk)
         args = (q, kc, vc, meta.block_tables, meta.seq_lens, 0.088)
         times = []
-        for block_n, warps, stages, pps in DECODE_SWEEP:
+        for block_n, warps, stages, pps, min_splits in DECODE_SWEEP:
             tda.decode_config = lambda head_dim, c=(block_n, warps, stages): c
-            tda.PROGRAMS_PER_SM = pps
+            tda.PROGRAMS_PER_SM, tda.MIN_SPLITS = pps, min_splits
             times.append(_ms(lambda a=args: tda.decode_attention(*a)))
         best = min(times)
         print(f"B={batch:<4}ctx={ctx:<5}Hq/Hk={hq}/{hk}: " + " ".join(f"{t * 1e3:6.1f}" for t in times)
               + f"  us; best {kv_bytes / (best * 1e-3) / 1e9 / copy_gbs:.0%} of copy")  # fmt: skip
-    tda.decode_config, tda.PROGRAMS_PER_SM = default_config, default_pps
+    tda.decode_config, tda.PROGRAMS_PER_SM, tda.MIN_SPLITS = saved
 
 
 def bench_elementwise() -> list[tuple]:

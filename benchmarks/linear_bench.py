@@ -4,6 +4,7 @@
     python benchmarks/linear_bench.py --no-tests      # GPU: timings only
     python benchmarks/linear_bench.py --compile-only  # any machine: build for sm_90, print smem / regs
     python benchmarks/linear_bench.py --sweep-gemv    # GPU: graph timings of a few tile configs
+    python benchmarks/linear_bench.py --rows 64       # GPU: cuBLAS vs cuBLASLt at 64 rows (batch 64)
 
 Shapes: Llama-3.1-8B and Llama-3.2-1B projections, bf16, one row of x (batch-1 decode). Each timing runs
 the op once on each of enough copies of W that they total > 200 MB (no copy is still in L2 when it comes
@@ -145,11 +146,31 @@ def bench(copy_gbs: float) -> list[tuple]:
     return rows
 
 
+def bench_rows(rows: int, copy_gbs: float) -> None:
+    """Graph-mode us per call at `rows` rows (decode at that batch) of F.linear through cuBLAS and through
+    cuBLASLt (torch.backends.cuda.preferred_blas_library), with W's GB/s and the share of copy bandwidth."""
+    print(f"\n{rows} rows: us per call (GB/s of W, share of copy {copy_gbs:.0f} GB/s)")
+    for name, k, n in SHAPES:
+        ws = _weights(k, n)
+        x = torch.randn(rows, k, dtype=torch.bfloat16, device="cuda")
+        cells = []
+        for lib in ("cublas", "cublaslt"):
+            torch.backends.cuda.preferred_blas_library(lib)
+            t = _graph_us(_cublas, x, ws)
+            gbs = n * k * 2 / (t * 1e-6) / 1e9
+            cells.append(f"{lib} {t:8.2f} ({gbs:5.0f}, {gbs / copy_gbs:4.0%})")
+        torch.backends.cuda.preferred_blas_library("cublas")
+        print(f"{name:<12}" + "  ".join(cells))
+        del ws
+        torch.cuda.empty_cache()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--compile-only", action="store_true", help="build for sm_90 on CPU, no GPU needed")
     parser.add_argument("--no-tests", action="store_true", help="skip the gpu-marked linear tests")
     parser.add_argument("--sweep-gemv", action="store_true", help="time a few tile configs (GPU)")
+    parser.add_argument("--rows", default="", help="GPU: cuBLAS vs cuBLASLt at these rows (16,64)")
     args = parser.parse_args()
     if args.compile_only:
         return compile_only()
@@ -158,6 +179,11 @@ def main() -> int:
         return 1
     if args.sweep_gemv:
         sweep_gemv()
+        return 0
+    if args.rows:
+        copy_gbs = copy_bandwidth()
+        for rows in args.rows.split(","):
+            bench_rows(int(rows), copy_gbs)
         return 0
     tests_rc = 0 if args.no_tests else run_gpu_tests("tests/test_kernels_linear.py")
     copy_gbs = copy_bandwidth()

@@ -60,6 +60,8 @@ def rows_for(part: dict) -> list[dict]:
             note = (
                 f"{d['output_tokens']:,} output tokens in {d['wall_s']:.1f} s, T={d.get('temperature', '')}"
             )
+            if len(d.get("tok_s_runs", [])) > 1:
+                note += "; median of runs at " + ", ".join(f"{t:,.0f}" for t in d["tok_s_runs"]) + " tok/s"
             note += f"; WARNING: {d['warning']}" if d.get("warning") else ""
             rows.append(_measured(fig, system, model, f"output tok/s, {d['requests']} requests", d, note))
     return rows

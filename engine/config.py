@@ -54,6 +54,10 @@ class ModelLoadConfig:
     max_model_len: int | None = None  # default: the checkpoint's max_position_embeddings, capped at 8192
     seed: int = 0
     enforce_eager: bool = False  # disable CUDA-graph decode
+    # cuBLAS front end for GEMMs of more than one row on a GPU (one row takes our Triton GEMV). cuBLASLt
+    # picks faster kernels for the 16-256-row decode GEMMs (benchmarks/linear_bench.py --rows); the
+    # choice is per process (torch.backends.cuda.preferred_blas_library).
+    blas_library: str = "cublaslt"
 
     def __post_init__(self) -> None:
         _require(bool(self.model), "model", "give the path of a local checkpoint directory")
@@ -65,6 +69,7 @@ class ModelLoadConfig:
             "must be auto, cpu, cuda or cuda:N",
         )
         _require(self.max_model_len is None or self.max_model_len >= 1, "max_model_len", "must be >= 1")
+        _require(self.blas_library in {"cublas", "cublaslt"}, "blas_library", "must be cublas or cublaslt")
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,8 @@ class ModelRunner:
         self.config = config
         self.device, self.dtype = resolve_device_dtype(config)
         torch.manual_seed(config.load.seed)
+        if self.device.type == "cuda":  # process-wide; an engine replica owns its process and its GPU
+            torch.backends.cuda.preferred_blas_library(config.load.blas_library)
         self.model, self.model_config = load_model(config.load.model, dtype=self.dtype, device=self.device)
         max_pos = self.model_config.max_position_embeddings
         self.max_model_len = min(config.load.max_model_len or min(max_pos, 8192), max_pos)

@@ -15,6 +15,7 @@ import torch
 
 from engine.sampling_params import SamplingParams
 from engine.uploader import Uploader
+from kernels import ops
 
 
 @dataclass
@@ -90,18 +91,18 @@ class Sampler:
         wants_logprobs = _wants_logprobs(rows)
         if not wants_logprobs and all(r.params.greedy and _no_penalty(r.params) for r in rows):
             # The common benchmark case: one argmax, on the model's dtype (widening is exact: same ids).
-            return PendingSample(fast_argmax(logits), None, rows)
+            return PendingSample(ops.argmax(logits), None, rows)
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None
         logits = self._apply_penalties(logits, rows)
         if all(r.params.greedy for r in rows):
-            return PendingSample(fast_argmax(logits), raw_logprobs, rows)
+            return PendingSample(ops.argmax(logits), raw_logprobs, rows)
         greedy = self._t([r.params.greedy for r in rows], torch.bool)
         temperature = self._t([r.params.temperature or 1.0 for r in rows])
         scores = self._filter(logits / temperature[:, None], rows)  # filtered tokens are -inf
         # argmax(p / E) == argmax(log p - log E) == argmax(scores - log E): no softmax needed
         noise = self._exponential_noise(rows, scores.shape).log_()
-        sampled = torch.where(greedy, logits.argmax(dim=-1), (scores - noise).argmax(dim=-1))
+        sampled = torch.where(greedy, ops.argmax(logits), ops.argmax(scores - noise))
         return PendingSample(sampled, raw_logprobs, rows)
 
     # ------------------------------------------------------------------ logits processors
@@ -156,18 +157,6 @@ class Sampler:
             if r.generator is not None and not r.params.greedy:
                 noise[i].exponential_(generator=r.generator)
         return noise
-
-
-def fast_argmax(logits: torch.Tensor, chunks: int = 128) -> torch.Tensor:
-    """Row-wise argmax in two stages. A plain argmax reduces each row in one thread block, which for a
-    few rows over a 128k vocabulary takes ~30 us on an H200; chunking first spreads it over the chip.
-    Ties resolve to the lowest index, as torch.argmax does."""
-    rows, vocab = logits.shape
-    if vocab % chunks or rows * chunks > 4096:
-        return logits.argmax(dim=-1)
-    values, inner = logits.view(rows, chunks, vocab // chunks).max(dim=-1)
-    best = values.argmax(dim=-1, keepdim=True)
-    return best[:, 0] * (vocab // chunks) + inner.gather(1, best)[:, 0]
 
 
 def _wants_logprobs(rows: list[SamplingRow]) -> bool:

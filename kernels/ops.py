@@ -98,6 +98,15 @@ def gelu_tanh_and_mul(x):
     return torch_ops.gelu_tanh_and_mul(x)
 
 
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Row-wise argmax of [rows, vocab] logits as int64 ids, lowest index on ties (greedy sampling)."""
+    if use_triton(logits) and logits.stride(-1) == 1:
+        from kernels import triton_argmax
+
+        return triton_argmax.argmax(logits)
+    return logits.argmax(dim=-1)
+
+
 def store_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
     if use_triton(k):
         from kernels import triton_kv

@@ -1,10 +1,14 @@
 """Paged decode attention: split-KV flash-decoding (twin: kernels.torch_ops.attention, one query per seq).
 
-Stage 1, grid (batch, kv_head, split): one program takes all GROUP = Hq / Hk query heads of one KV
+One launch, grid (batch, kv_head, split): a program takes all GROUP = Hq / Hk query heads of one KV
 group (so each K/V row is read once per group, not once per query head) and one contiguous chunk of
 the sequence's visible keys, and writes a partial softmax result: o_s (normalised) and its base-2
-log-sum-exp lse_s. Stage 2, grid (batch, q_head), merges the splits:
+log-sum-exp lse_s. It then counts itself in at an arrival counter of (sequence, KV head); the split
+that arrives last merges all of them, so no second kernel sits on the decode step's critical path:
     out = sum_s 2^(lse_s - m) o_s / sum_s 2^(lse_s - m),   m = max_s lse_s.
+The partials are stored before the counter's release (acq_rel atomic after a CTA barrier) and the
+merging program reads them after its acquire, so it sees every split's result. The merge order is
+fixed (split 0 upward), so the output does not depend on which split arrives last.
 
 CUDA-graph safety: the grid depends only on shapes (batch, heads, and a split count derived from the
 block-table width, the window and the SM count); sequence lengths are read from the device tensor
@@ -24,12 +28,14 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.arrivals import arrival_counters
 from kernels.pdl import enabled as pdl_enabled
 from kernels.pdl import wait_for_inputs
 from kernels.triton_attn_common import load_paged_rows, online_softmax_step, scores_log2
 
-MAX_SPLITS = 64  # reduce kernel's fixed block: one compiled variant for every split count
+MAX_SPLITS = 64  # more splits than tiles of a 1k-token context never pay for their merge
 PROGRAMS_PER_SM = 4  # enough resident CTAs to keep HBM busy while each waits on its loads
+MERGE_TILE = 8192  # fp32 partial-output values the merging program loads at once ([G, S, D] tile)
 MIN_SPLITS = 3  # below this many, one split: at batch 64 x 8 KV heads unsplit measured faster (H200)
 INTERPRETER_SMS = 2  # stand-in SM count under TRITON_INTERPRET (CPU tensors): still yields splits
 
@@ -38,11 +44,11 @@ INTERPRETER_SMS = 2  # stand-in SM count under TRITON_INTERPRET (CPU tensors): s
 @triton.jit(do_not_specialize=["window", "num_splits"])
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, part_o_ptr, part_lse_ptr, out_ptr,
-    stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-    stride_ob, stride_oh, scale, softcap, window, num_splits,
+    arrivals_ptr, stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_bt, stride_ob, stride_oh, scale, softcap, window, num_splits,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr,
-    DIRECT: tl.constexpr, USE_PDL: tl.constexpr,
+    DIRECT: tl.constexpr, MERGE_G: tl.constexpr, MERGE_S: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     wait_for_inputs(USE_PDL)
     b = tl.program_id(0).to(tl.int64)
@@ -80,7 +86,7 @@ def _decode_split_kernel(
 
     has = l_i > 0.0  # false only for an empty split
     o = acc / tl.where(has, l_i, 1.0)[:, None]
-    if DIRECT:  # a single split is the whole answer: skip the partial buffers and the reduce kernel
+    if DIRECT:  # a single split is the whole answer: no partial buffers, no merge
         out_offs = b * stride_ob + heads[:, None] * stride_oh + d[None, :]
         tl.store(out_ptr + out_offs, o.to(out_ptr.dtype.element_ty), mask=q_mask)
         return
@@ -89,29 +95,50 @@ def _decode_split_kernel(
     row = (b * (tl.num_programs(1) * GROUP) + heads) * num_splits + split
     tl.store(part_lse_ptr + row, lse, mask=g < GROUP)
     tl.store(part_o_ptr + row[:, None] * HEAD_DIM + d[None, :], o, mask=q_mask)
+    # The last split of (b, kh) to arrive merges them all. The barrier puts every thread's partial
+    # stores before the counter's release; its acquire makes the other splits' stores visible here.
+    tl.debug_barrier()
+    counter = arrivals_ptr + b * tl.num_programs(1) + kh
+    if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+        tl.debug_barrier()
+        used = tl.where(chunk > 0, tl.cdiv(seq_len - lo, tl.maximum(chunk, 1)), 0)
+        first = (b * (tl.num_programs(1) * GROUP) + kh * GROUP) * num_splits
+        _merge_splits(part_o_ptr, part_lse_ptr, out_ptr + b * stride_ob + kh * GROUP * stride_oh, first,
+                      num_splits, used, stride_oh, GROUP, HEAD_DIM, BLOCK_D, MERGE_G, MERGE_S)  # fmt: skip
+        tl.store(counter, 0)  # ready for the next launch (the next layer, or the next graph replay)
 
 
-@triton.jit(do_not_specialize=["num_splits"])
-def _decode_reduce_kernel(
-    part_o_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh, num_splits,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MAX_SPLITS: tl.constexpr, USE_PDL: tl.constexpr,
-):  # fmt: skip
-    wait_for_inputs(USE_PDL)
-    b = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    s = tl.arange(0, MAX_SPLITS)
+@triton.jit
+def _merge_splits(part_o_ptr, part_lse_ptr, out_ptr, first, num_splits, used, stride_oh,
+                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                  MERGE_G: tl.constexpr, MERGE_S: tl.constexpr):  # fmt: skip
+    """out[g] = sum_s 2^(lse_s - m) o_s / sum_s 2^(lse_s - m) over the `used` non-empty splits of the
+    group's heads (the rest hold lse = -inf, o = 0), MERGE_S splits per [MERGE_G, MERGE_S, D] tile with a
+    running max. Rows start at part_*[first + g * num_splits]. Loads bypass L1 (.cg): the partials were
+    written by other SMs, and this SM's L1 may hold an earlier layer's lines at the same addresses."""
+    g = tl.arange(0, MERGE_G)
+    sp = tl.arange(0, MERGE_S)
     d = tl.arange(0, BLOCK_D)
-    smask = s < num_splits
-    row = (b * tl.num_programs(1) + h) * num_splits + s
-    lse = tl.load(part_lse_ptr + row, mask=smask, other=float("-inf"))
-    m = tl.max(lse, axis=0)
-    m = tl.where(m == float("-inf"), 0.0, m)  # all splits empty (seq_len 0): weights 0, output 0
-    w = tl.exp2(lse - m)
-    omask = smask[:, None] & (d < HEAD_DIM)[None, :]
-    o = tl.load(part_o_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=omask, other=0.0)
-    denom = tl.sum(w, axis=0)
-    out = tl.sum(w[:, None] * o, axis=0) / tl.where(denom > 0.0, denom, 1.0)
-    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+    m = tl.full([MERGE_G], float("-inf"), tl.float32)
+    den = tl.zeros([MERGE_G], tl.float32)
+    acc = tl.zeros([MERGE_G, BLOCK_D], tl.float32)
+    for s0 in range(0, used, MERGE_S):
+        row = first + g[:, None] * num_splits + s0 + sp[None, :]  # [G, S]
+        rmask = (g < GROUP)[:, None] & (s0 + sp < used)[None, :]
+        lse = tl.load(part_lse_ptr + row, mask=rmask, other=float("-inf"), cache_modifier=".cg")
+        m_new = tl.maximum(m, tl.max(lse, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        w = tl.exp2(lse - m_safe[:, None])
+        omask = rmask[:, :, None] & (d < HEAD_DIM)[None, None, :]
+        o = tl.load(part_o_ptr + row[:, :, None] * HEAD_DIM + d[None, None, :], mask=omask, other=0.0,
+                    cache_modifier=".cg")  # fmt: skip
+        alpha = tl.exp2(m - m_safe)
+        den = den * alpha + tl.sum(w, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o, axis=1)
+        m = m_new
+    out = acc / tl.where(den > 0.0, den, 1.0)[:, None]
+    omask = (g < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
+    tl.store(out_ptr + g[:, None] * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty), mask=omask)
 
 
 @functools.lru_cache(maxsize=8)
@@ -128,8 +155,9 @@ def choose_num_splits(
     """Splits per (seq, kv head) so that batch * Hk * splits ~ PROGRAMS_PER_SM * SMs; shapes only.
 
     Capped by the most BLOCK_N tiles a sequence can have (block-table width or window) and MAX_SPLITS;
-    fewer than MIN_SPLITS means 1: two splits gain less than the reduce kernel costs (batch 64 x 8 KV
-    heads of Llama-3.1-8B at 1k context: 71 us unsplit, 84 us split in two, on an H200).
+    fewer than MIN_SPLITS means 1: two splits gain less than their merge costs (batch 64 x 8 KV heads
+    of Llama-3.1-8B at 1k context on an H200: 81 us unsplit, 88 us in two splits even with the merge
+    folded in; `benchmarks/kernel_bench.py --sweep-decode`).
     """
     span = max_blocks * block_size
     if sliding_window:
@@ -194,20 +222,17 @@ def decode_attention(
     part_o, part_lse = _alloc_partials(batch, num_q_heads, num_splits, head_dim, q.device)
     block_d = triton.next_power_of_2(head_dim)
     pdl = pdl_enabled(q.device)
+    arrivals = arrival_counters(batch * num_kv_heads, q.device)
+    merge_g = triton.next_power_of_2(group)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, part_o, part_lse, out,
+        q, k_cache, v_cache, block_tables, seq_lens, part_o, part_lse, out, arrivals,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1), scale, softcap or 0.0, sliding_window or 0, num_splits,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
         PAGE=page, BLOCK_N=block_n, HAS_SOFTCAP=softcap is not None,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        DIRECT=num_splits == 1, USE_PDL=pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
-    )  # fmt: skip
-    if num_splits == 1:
-        return out
-    _decode_reduce_kernel[(batch, num_q_heads)](
-        part_o, part_lse, out, out.stride(0), out.stride(1), num_splits,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, MAX_SPLITS=MAX_SPLITS, USE_PDL=pdl, num_warps=4, launch_pdl=pdl,
+        DIRECT=num_splits == 1, MERGE_G=merge_g, MERGE_S=max(1, MERGE_TILE // (merge_g * block_d)),
+        USE_PDL=pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
     )  # fmt: skip
     return out

@@ -35,7 +35,7 @@ import pytest  # noqa: E402
 pytest.importorskip("triton")
 
 from engine.attention_context import AttentionMetadata, attention_context  # noqa: E402
-from kernels import ops, torch_ops  # noqa: E402
+from kernels import arrivals, ops, torch_ops  # noqa: E402
 
 pytestmark = [
     pytest.mark.kernels,
@@ -312,8 +312,9 @@ def test_decode_attention(env: Env, case, monkeypatch) -> None:
     dec = K["triton_decode_attention"]
     real_alloc = dec._alloc_partials
     monkeypatch.setattr(dec, "_alloc_partials", lambda *a: tuple(_nan(t) for t in real_alloc(*a)))
-    if not env.big:  # short rows: 16-key tiles, so a row spans several non-empty splits to merge
+    if not env.big:  # short rows: 16-key tiles, so a row spans several non-empty splits to merge,
         monkeypatch.setattr(dec, "decode_config", lambda head_dim: (16, 4, 2))
+        monkeypatch.setattr(dec, "MERGE_TILE", 256)  # which the last split merges a few at a time
     meta, k_cache, v_cache = _paged_batch(env, [s - 1 for s in seq_lens], [1] * len(seq_lens), page,
                                           kv_heads, head_dim)  # fmt: skip
     q = _rand(env, len(seq_lens), group * kv_heads, head_dim, seed=11)
@@ -323,6 +324,7 @@ def test_decode_attention(env: Env, case, monkeypatch) -> None:
     out = dec.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, window,
                                softcap, num_splits=splits, out=_nan(q))  # fmt: skip
     _close(out, ref, env)
+    assert not arrivals._BUFFERS[q.device][-1].any()  # every merging split reset its arrival counter
 
 
 def test_decode_padding_rows_read_nothing(env: Env) -> None:
@@ -548,6 +550,34 @@ def test_decode_attention_replays_in_a_cuda_graph() -> None:
     graph.replay()
     k_new = q[:, :8]
     _close(out, torch_ops.attention(q, k_new, k_new, k_cache, v_cache, new_meta, 0.088), env)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA_OK, reason="needs CUDA")
+def test_decode_split_merge_is_race_free() -> None:
+    """The last split to arrive merges the others' partials (atomic counter, acquire/release). Many
+    splits of many sequences, replayed 50 times in a graph: every replay must match the twin and be
+    bit-identical to the first (the merge order is fixed, whichever split arrives last)."""
+    env = Env("cuda", torch.bfloat16, 2e-2, 2e-2)
+    lens = [int(x) for x in torch.randint(1, 3000, (24,), generator=torch.Generator().manual_seed(3))]
+    meta, k_cache, v_cache = _paged_batch(env, lens, [1] * 24, 16, 8, 128, seed=53)
+    q = _rand(env, 24, 32, 128, seed=54)
+    dec = K["triton_decode_attention"]
+    call = lambda: dec.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, 0.088,
+                                        num_splits=48)  # fmt: skip
+    call()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    graph.replay()
+    first = out.clone()
+    k_new = q[:, :8]
+    _close(first, torch_ops.attention(q, k_new, k_new, k_cache, v_cache, meta, 0.088), env)
+    for _ in range(50):
+        out.fill_(float("nan"))
+        graph.replay()
+        assert torch.equal(out, first)
+    assert not arrivals._BUFFERS[q.device][-1].any()
 
 
 # ----------------------------------------------------------------------------------------- Hopper build
