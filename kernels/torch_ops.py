@@ -109,12 +109,12 @@ def attention(
 ) -> torch.Tensor:
     """Causal GQA attention for a packed batch (see engine.attention_context for the layout).
 
-    q: [T, Hq, D]; k, v: [T, Hk, D] (this step's keys; None when they are already in the cache).
+    q: [T, Hq, D]; k, v: [T, Hk, D] (this step's keys, already stored in the cache when there is one).
     Query i of a sequence sits at absolute position p = seq_len - query_len + i and sees key j iff
     j <= p and (sliding_window is None or p - j < sliding_window). Returns [T, Hq, D].
     """
     out = torch.empty_like(q)
-    group = q.shape[1] // (k_cache if k is None else k).shape[-2]
+    group = q.shape[1] // k.shape[1]
     start = 0
     for b, (q_len, kv_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
         qb = q[start : start + q_len]
