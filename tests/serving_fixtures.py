@@ -19,6 +19,8 @@ from pathlib import Path
 import httpx
 import yaml
 
+from scripts.soak import STEADY_MALLOC_ENV
+
 ROOT = Path(__file__).resolve().parents[1]
 
 TEST_OVERRIDES = {
@@ -77,7 +79,8 @@ def start_server(model_dir: Path, overrides: dict | None = None) -> Server:
         num_cpus=2,
         include_dashboard=False,
         log_to_driver=False,
-        runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}},  # replicas import app/ and engine/ from here
+        # replicas import app/ and engine/ from ROOT; steady malloc so the soak's RSS check sees leaks only
+        runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), **STEADY_MALLOC_ENV}},
         _system_config={"metrics_report_interval_ms": 1000},
     )
     port = _free_port()

@@ -320,8 +320,9 @@ def test_disconnect_storm_frees_every_block_within_a_second(server, http):
 @pytest.mark.slow
 def test_soak_2min_w2(server, tmp_path):
     args = soak.parse_args(
-        # two minutes, warm-up 20% (24 s): in one minute the replica's RSS had not settled, and the
-        # window peaks differed by ~5% run to run with no leak (the engine's own memory is flat)
+        # two minutes, warm-up 20% (24 s). The server runs with scripts.soak.STEADY_MALLOC_ENV: with glibc's
+        # default (dynamic mmap threshold, per-thread arenas) the RSS climbed in steps with no leak, and
+        # this check failed now and then on a fresh clone (+7.9%); the engine's own heap is flat.
         ["--url", server.url, "--api-key", API_KEY, "--minutes", "2", "--users", "8"]
         + ["--gen-scale", "0.125", "--sample-s", "0.5", "--out", str(tmp_path / "soak")]
     )
