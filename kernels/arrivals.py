@@ -2,7 +2,9 @@
 
 Split-KV decode attention (the last split of a (sequence, KV head) merges the others) and the row
 argmax (the last chunk of a row picks the winner) count their programs in here.
-Counters start at 0 and the program that acts resets its counter, so one zeroed buffer serves every
+A program stores its partial result, then calls arrive_last(); the one call that returns True sees
+every other program's partial and finishes the work. Counters start at 0 and the program that acts
+resets its counter, so one zeroed buffer serves every
 launch, layer and graph replay. Sharing it between kernels is safe because launches run in stream
 order and a PDL launch waits for its predecessor (kernels.pdl) before it touches a counter.
 """
@@ -10,6 +12,8 @@ order and a PDL launch waits for its predecessor (kernels.pdl) before it touches
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 _BUFFERS: dict[torch.device, list[torch.Tensor]] = {}
 
@@ -22,3 +26,13 @@ def arrival_counters(n: int, device: torch.device) -> torch.Tensor:
     if not bufs or bufs[-1].numel() < n:
         bufs.append(torch.zeros(max(n, 1024), dtype=torch.int32, device=device))
     return bufs[-1]
+
+
+@triton.jit
+def arrive_last(counter, n):
+    """Count this program in at `counter`; True for the n-th (last) of n programs to arrive.
+
+    The CTA barrier orders every thread's partial stores before the counter's release; the atomic's
+    acquire makes the other programs' stores visible to the last one (read them with .cg loads)."""
+    tl.debug_barrier()
+    return tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == n - 1

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.arrivals import arrival_counters
+from kernels.arrivals import arrival_counters, arrive_last
 from kernels.pdl import enabled as pdl_enabled
 from kernels.pdl import wait_for_inputs
 
@@ -37,9 +37,8 @@ def _argmax_kernel(
     first = tl.min(tl.where(v == best, idx, V), axis=0)  # a real index: every chunk holds one
     tl.store(part_val_ptr + row * chunks + chunk, best)
     tl.store(part_idx_ptr + row * chunks + chunk, first)
-    tl.debug_barrier()  # the partial before the counter's release
     counter = arrivals_ptr + row
-    if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == chunks - 1:
+    if arrive_last(counter, chunks):
         c = tl.arange(0, CHUNKS_P2)
         parts = row * chunks + c  # loads bypass L1: other SMs wrote the partials
         vals = tl.load(part_val_ptr + parts, mask=c < chunks, other=float("-inf"), cache_modifier=".cg")

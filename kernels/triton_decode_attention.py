@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.arrivals import arrival_counters
+from kernels.arrivals import arrival_counters, arrive_last
 from kernels.pdl import enabled as pdl_enabled
 from kernels.pdl import wait_for_inputs
 from kernels.triton_attn_common import load_paged_rows, online_softmax_step, scores_log2
@@ -95,11 +95,9 @@ def _decode_split_kernel(
     row = (b * (tl.num_programs(1) * GROUP) + heads) * num_splits + split
     tl.store(part_lse_ptr + row, lse, mask=g < GROUP)
     tl.store(part_o_ptr + row[:, None] * HEAD_DIM + d[None, :], o, mask=q_mask)
-    # The last split of (b, kh) to arrive merges them all. The barrier puts every thread's partial
-    # stores before the counter's release; its acquire makes the other splits' stores visible here.
-    tl.debug_barrier()
+    # The last split of (b, kh) to arrive merges them all (kernels.arrivals orders the partials).
     counter = arrivals_ptr + b * tl.num_programs(1) + kh
-    if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+    if arrive_last(counter, num_splits):
         tl.debug_barrier()
         used = tl.where(chunk > 0, tl.cdiv(seq_len - lo, tl.maximum(chunk, 1)), 0)
         first = (b * (tl.num_programs(1) * GROUP) + kh * GROUP) * num_splits

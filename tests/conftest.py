@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -42,3 +43,29 @@ def _serving_stack_missing() -> bool:
 # The serving tests need Ray Serve and the openai client; a bare GPU host (for `pytest -m gpu`) has
 # neither, so those modules are not collected there rather than failing at import.
 collect_ignore_glob = ["test_serving*.py", "test_hardening*.py"] if _serving_stack_missing() else []
+
+
+_SESSION = pytest.StashKey[pytest.Session]()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    session.config.stash[_SESSION] = session
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config) -> None:
+    """After a Ray driver ran in this process, exit with pytest's status and skip finalization.
+
+    ray.shutdown() leaves Ray's native threads running in the driver (after tests/test_serving.py:
+    worker.io, gcs_client_io, gRPC pollers and timers, 12 in all). One that calls into Python while the
+    interpreter finalizes kills the process with SIGSEGV after every test has passed and been
+    reported (seen once in CI: "254 passed ... Segmentation fault"; Ray tracks the class of bug as
+    ray-project/ray#31145). Nothing is left to run at this point: the summary is printed and the
+    Ray session's processes were stopped by ray.shutdown(), so os._exit loses nothing."""
+    fixtures = sys.modules.get("tests.serving_fixtures")
+    session = config.stash.get(_SESSION, None)
+    if fixtures is None or not fixtures.ray_driver_started or session is None:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(int(session.exitstatus))

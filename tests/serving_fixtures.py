@@ -23,6 +23,10 @@ from scripts.soak import STEADY_MALLOC_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# Set once this process has run a Ray driver; conftest then ends the test process without interpreter
+# finalization (see pytest_unconfigure there for why).
+ray_driver_started = False
+
 TEST_OVERRIDES = {
     # The overload test opens this many streams and expects the next one to get 503; the Locust test
     # runs 16 users (at most 16 open streams), safely below it.
@@ -75,6 +79,8 @@ def start_server(model_dir: Path, overrides: dict | None = None) -> Server:
     args = _merge(app.get("args") or {}, {**TEST_OVERRIDES, "model": str(model_dir)})
     args = _merge(args, overrides or {})
     headers = {"Authorization": f"Bearer {args['api_key']}"} if args.get("api_key") else {}
+    global ray_driver_started
+    ray_driver_started = True
     context = ray.init(
         num_cpus=2,
         include_dashboard=False,
