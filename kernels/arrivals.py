@@ -1,12 +1,12 @@
 """Arrival counters for kernels whose last-arriving program finishes a shared piece of work.
 
 Split-KV decode attention (the last split of a (sequence, KV head) merges the others) and the row
-argmax (the last chunk of a row picks the winner) count their programs in here.
-A program stores its partial result, then calls arrive_last(); the one call that returns True sees
-every other program's partial and finishes the work. Counters start at 0 and the program that acts
-resets its counter, so one zeroed buffer serves every
-launch, layer and graph replay. Sharing it between kernels is safe because launches run in stream
-order and a PDL launch waits for its predecessor (kernels.pdl) before it touches a counter.
+argmax (the last chunk of a row picks the winner) count their programs in here. A program stores its
+partial result, then calls arrive_last(); the one call that returns True sees every other program's
+partial and finishes the work. Counters start at 0 and the program that acts resets its counter, so
+one zeroed buffer serves every launch, layer and graph replay. Sharing it between kernels is safe
+because launches run in stream order and a PDL launch waits for its predecessor (kernels.pdl) before
+it touches a counter.
 """
 
 from __future__ import annotations

@@ -6,8 +6,7 @@ the sequence's visible keys, and writes a partial softmax result: o_s (normalise
 log-sum-exp lse_s. It then counts itself in at an arrival counter of (sequence, KV head); the split
 that arrives last merges all of them, so no second kernel sits on the decode step's critical path:
     out = sum_s 2^(lse_s - m) o_s / sum_s 2^(lse_s - m),   m = max_s lse_s.
-The partials are stored before the counter's release (acq_rel atomic after a CTA barrier) and the
-merging program reads them after its acquire, so it sees every split's result. The merge order is
+kernels.arrivals.arrive_last orders the partial stores before the merge's loads. The merge order is
 fixed (split 0 upward), so the output does not depend on which split arrives last.
 
 CUDA-graph safety: the grid depends only on shapes (batch, heads, and a split count derived from the
