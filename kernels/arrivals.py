@@ -32,7 +32,10 @@ def arrival_counters(n: int, device: torch.device) -> torch.Tensor:
 def arrive_last(counter, n):
     """Count this program in at `counter`; True for the n-th (last) of n programs to arrive.
 
-    The CTA barrier orders every thread's partial stores before the counter's release; the atomic's
-    acquire makes the other programs' stores visible to the last one (read them with .cg loads)."""
+    The first CTA barrier orders every thread's partial stores before the counter's release. The atomic's
+    acquire makes the other programs' stores visible to the thread that performed it; the second barrier
+    extends that to every thread of the CTA before any of them loads a partial (read them with .cg)."""
     tl.debug_barrier()
-    return tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == n - 1
+    last = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == n - 1
+    tl.debug_barrier()
+    return last

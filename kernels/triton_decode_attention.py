@@ -97,7 +97,6 @@ def _decode_split_kernel(
     # The last split of (b, kh) to arrive merges them all (kernels.arrivals orders the partials).
     counter = arrivals_ptr + b * tl.num_programs(1) + kh
     if arrive_last(counter, num_splits):
-        tl.debug_barrier()
         used = tl.where(chunk > 0, tl.cdiv(seq_len - lo, tl.maximum(chunk, 1)), 0)
         first = (b * (tl.num_programs(1) * GROUP) + kh * GROUP) * num_splits
         _merge_splits(part_o_ptr, part_lse_ptr, out_ptr + b * stride_ob + kh * GROUP * stride_oh, first,
