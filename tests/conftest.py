@@ -45,11 +45,11 @@ def _serving_stack_missing() -> bool:
 collect_ignore_glob = ["test_serving*.py", "test_hardening*.py"] if _serving_stack_missing() else []
 
 
-_SESSION = pytest.StashKey[pytest.Session]()
+_EXIT_STATUS = pytest.StashKey[int]()
 
 
-def pytest_sessionfinish(session: pytest.Session) -> None:
-    session.config.stash[_SESSION] = session
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    session.config.stash[_EXIT_STATUS] = int(exitstatus)
 
 
 @pytest.hookimpl(trylast=True)
@@ -63,9 +63,9 @@ def pytest_unconfigure(config) -> None:
     ray-project/ray#31145). Nothing is left to run at this point: the summary is printed and the
     Ray session's processes were stopped by ray.shutdown(), so os._exit loses nothing."""
     fixtures = sys.modules.get("tests.serving_fixtures")
-    session = config.stash.get(_SESSION, None)
-    if fixtures is None or not fixtures.ray_driver_started or session is None:
+    status = config.stash.get(_EXIT_STATUS, None)
+    if fixtures is None or not fixtures.ray_driver_started or status is None:
         return
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(int(session.exitstatus))
+    os._exit(status)

@@ -1,8 +1,8 @@
 """Triton kernels against their torch twins (kernels.torch_ops), on fresh random inputs.
 
 Two ways to run the same checks:
-  * CPU (`make test`): TRITON_INTERPRET=1 (set below, or earlier by tests/conftest.py) makes the
-    launchers run on CPU tensors in fp32 with small shapes. Triton reads the flag when it is first
+  * CPU (`make test`): TRITON_INTERPRET=1 (set by tests/kernel_env.py, or earlier by conftest.py)
+    makes the launchers run on CPU tensors in fp32 with small shapes. Triton reads the flag when it is first
     imported; if something imported it earlier, test_interpreter_subprocess reruns them in a fresh process;
   * GPU (marker `gpu`): compiled kernels on CUDA tensors, bigger shapes, bf16 and fp32.
 Outputs are poisoned with NaN before each call (kernels write into `out=`), and KV-cache slots that
@@ -15,22 +15,19 @@ launcher with a stand-in driver, and must fit shared memory and use 16-byte glob
 
 from __future__ import annotations
 
+from tests.kernel_env import CUDA_OK, INTERPRET, interpreter_usable  # first: it chooses TRITON_INTERPRET
+
+# isort: split
+import importlib
+import math
 import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
 
+import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-
-import importlib  # noqa: E402
-import math  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
@@ -47,20 +44,7 @@ K = {
     for name in ("triton_act", "triton_norm", "triton_rope", "triton_kv", "triton_decode_attention",
                  "triton_prefill_attention")
 }  # fmt: skip
-CUDA_OK = torch.cuda.is_available() and not INTERPRET
-
-
-def _interpreter_usable() -> bool:
-    """Triton fixes the flag for its own library (tl.sum, ...) when triton is first imported; if another
-    module (torch._dynamo, transformers) imported it earlier, the interpreter cannot run in this process."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return INTERPRET and isinstance(
-        importlib.import_module("triton.language.standard").sum, InterpretedFunction
-    )
-
-
-INTERP_OK = _interpreter_usable()
+INTERP_OK = interpreter_usable()
 INTERP_SKIP = (
     "needs TRITON_INTERPRET=1 set before triton is first imported (else test_interpreter_subprocess)"
 )

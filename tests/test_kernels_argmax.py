@@ -8,17 +8,11 @@ Qwen 3 and Gemma 3 vocabulary sizes at batch 1 to 256, bf16 and fp32.
 
 from __future__ import annotations
 
-import os
+from tests.kernel_env import CUDA_OK, interpreter_usable  # first: it chooses TRITON_INTERPRET
 
+# isort: split
+import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-
-import importlib  # noqa: E402
-
-import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
@@ -26,18 +20,7 @@ from kernels import arrivals, ops  # noqa: E402
 from kernels import triton_argmax as ta  # noqa: E402
 
 pytestmark = pytest.mark.kernels
-CUDA_OK = torch.cuda.is_available() and not INTERPRET
-
-
-def _interpreter_usable() -> bool:
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return INTERPRET and isinstance(
-        importlib.import_module("triton.language.standard").sum, InterpretedFunction
-    )
-
-
-interp = pytest.mark.skipif(not _interpreter_usable(), reason="needs TRITON_INTERPRET=1 before triton loads")
+interp = pytest.mark.skipif(not interpreter_usable(), reason="needs TRITON_INTERPRET=1 before triton loads")
 
 
 def _logits_with_ties(rows: int, vocab: int, dtype, device: str) -> torch.Tensor:

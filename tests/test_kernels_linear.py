@@ -9,20 +9,16 @@ flag is fixed when the kernels are defined).
 
 from __future__ import annotations
 
+from tests.kernel_env import CUDA_OK, interpreter_usable  # first: it chooses TRITON_INTERPRET
+
+# isort: split
 import os
+import subprocess
+import sys
+from pathlib import Path
 
+import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-
-import importlib  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
@@ -31,19 +27,7 @@ from kernels import triton_gemv as tg  # noqa: E402
 
 pytestmark = pytest.mark.kernels
 ROOT = Path(__file__).resolve().parents[1]
-CUDA_OK = torch.cuda.is_available() and not INTERPRET
-
-
-def _interpreter_usable() -> bool:
-    """True when triton's own library was defined under the interpreter (see tests/test_kernels.py)."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return INTERPRET and isinstance(
-        importlib.import_module("triton.language.standard").sum, InterpretedFunction
-    )
-
-
-interp = pytest.mark.skipif(not _interpreter_usable(), reason="needs TRITON_INTERPRET=1 before triton loads")
+interp = pytest.mark.skipif(not interpreter_usable(), reason="needs TRITON_INTERPRET=1 before triton loads")
 
 
 def _rand(*shape: int, seed: int, dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
