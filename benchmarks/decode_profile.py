@@ -10,7 +10,10 @@ it reports, per step:
   * each kernel kind's total time (matmuls are every cuBLAS / CUTLASS kernel, the rest are named by
     their Triton or ATen kernel), and the weight bandwidth the matmuls reach (step weights / matmul time);
   * GPU busy time (the union of kernel intervals) and idle time (wall time of a step minus busy):
-    launch gaps inside a graph plus any host time the GPU waited for.
+    launch gaps inside a graph plus any host time the GPU waited for;
+  * the device time of a step with no host in the way: the batch's CUDA graph, the logits and the
+    argmax replayed back to back (CUDA events, median). The engine step's wall time minus this is what
+    the host costs, since the profiler itself slows the host down.
 With programmatic dependent launch (kernels.pdl, on Hopper) a kernel starts while its predecessor drains
 and its record includes the time it spent waiting, so kernel times overlap: shares can sum past 100%,
 and a kind's time bounds what removing it could save rather than measuring it.
@@ -117,8 +120,37 @@ def _timed_steps(engine, steps: int) -> list[float]:
     return times
 
 
-def profile(llm, batch: int, prompt: int, steps: int) -> tuple[list[float], list[tuple[str, float, float]]]:
-    """(wall seconds of each timed step, GPU kernel records of the profiled steps)."""
+def device_step_us(engine, batch: int, reps: int = 30) -> float | None:
+    """us per decode step on the device alone: graph replay + logits + argmax, back to back (None when the
+    engine runs eagerly). Replays reuse the last step's inputs, so every replay does the same work and
+    writes the same K/V into the same cache slots: the engine's state is unchanged."""
+    import torch
+
+    from kernels import ops
+
+    graphs = engine.runner.graphs
+    if graphs is None or graphs.bucket(batch) is None:
+        return None
+    graph, model = graphs.graphs[graphs.bucket(batch)], engine.runner.model
+
+    def step() -> None:
+        graph.replay()
+        ops.argmax(model.compute_logits(graphs.hidden[:batch]))
+
+    step()
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(reps + 1)]
+    events[0].record()
+    for e in events[1:]:
+        step()
+        e.record()
+    torch.cuda.synchronize()
+    return 1e3 * statistics.median(a.elapsed_time(b) for a, b in zip(events, events[1:]))
+
+
+def profile(
+    llm, batch: int, prompt: int, steps: int
+) -> tuple[list[float], list[tuple[str, float, float]], float | None]:
+    """(wall seconds of each timed step, GPU kernel records of the profiled steps, device_step_us)."""
     import torch
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
@@ -133,6 +165,7 @@ def profile(llm, batch: int, prompt: int, steps: int) -> tuple[list[float], list
     _decode_until_steady(engine, batch)
     walls = _timed_steps(engine, steps)
     torch.cuda.synchronize()
+    device_us = device_step_us(engine, batch)
     with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
         _timed_steps(engine, steps)
         torch.cuda.synchronize()
@@ -143,7 +176,7 @@ def profile(llm, batch: int, prompt: int, steps: int) -> tuple[list[float], list
         for e in prof.events()
         if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start
     ]
-    return walls, kernels
+    return walls, kernels, device_us
 
 
 def to_markdown(model: str, batch: int, prompt: int, s: dict, weight_bytes: int) -> str:
@@ -157,6 +190,15 @@ def to_markdown(model: str, batch: int, prompt: int, s: dict, weight_bytes: int)
         f"(gaps >= {HOST_GAP_US:.0f} us); "
         f"{s['kernels_per_step']:.0f} kernels per step; matmuls read the weights at {gbs:.0f} GB/s.",
         "Kernels launched with PDL overlap their predecessors (kernels.pdl): shares may sum past 100%.",
+    ]
+    device = s.get("device_step_us")
+    if device:
+        lines.append(
+            f"The same step replayed back to back on the device (graph + logits + argmax, no host): "
+            f"{device:.0f} us; the engine step minus that, the host's share (noise near zero): "
+            f"{s['step_wall_us'] - device:+.0f} us."
+        )
+    lines += [
         "",
         "| kernel | calls / step | us / step | share of step |",
         "|---|---|---|---|",
@@ -187,8 +229,9 @@ def main() -> None:
     make_checkpoint(args.model, path, smoke=False)
     llm = LLM(str(path), dtype="bfloat16", max_num_seqs=max(args.batch, 8), enforce_eager=args.enforce_eager,
               gpu_memory_utilization=0.85, enable_prefix_caching=False)  # fmt: skip
-    walls, kernels = profile(llm, args.batch, args.prompt, args.steps)
+    walls, kernels, device_us = profile(llm, args.batch, args.prompt, args.steps)
     summary = summarise(kernels, args.steps, 1e6 * statistics.median(walls))
+    summary["device_step_us"] = device_us
     cost = model_cost(path)
     md = to_markdown(args.model, args.batch, args.prompt, summary, cost.step_weight_bytes)
     print(md)

@@ -63,8 +63,9 @@ def test_smoke_run_produces_every_figure(tmp_path):
 
 
 def test_decode_profile_splits_a_step_into_kernels_and_gaps():
-    """Overlapping kernels count once as busy; short gaps are launch gaps, long ones host waits."""
-    from benchmarks.decode_profile import HOST_GAP_US, busy_time, kernel_kind, summarise
+    """Overlapping kernels count once as busy; short gaps are launch gaps, long ones host waits; the
+    device-only step time is reported when there is one."""
+    from benchmarks.decode_profile import HOST_GAP_US, busy_time, kernel_kind, summarise, to_markdown
 
     kernels = [  # (name, start us, end us) over 2 steps
         ("void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16>", 0.0, 10.0),
@@ -78,4 +79,9 @@ def test_decode_profile_splits_a_step_into_kernels_and_gaps():
     assert s["gpu_busy_us"] == 49.0 / 2 and s["idle_us"] == 60.0 - 24.5
     assert s["launch_gaps_us"] == 0.5 and s["host_waits_us"] == 25.0
     assert [r["kind"] for r in s["kinds"]][:2] == ["_rms_norm_kernel", "matmul"]
+    md = to_markdown("m", 2, 8, s, 10**9)
+    assert "no host" not in md  # eager runs have no device-only figure
+    s["device_step_us"] = 45.0
+    md = to_markdown("m", 2, 8, s, 10**9)
+    assert "(graph + logits + argmax, no host): 45 us;" in md and "(noise near zero): +15 us." in md
     assert s["kinds"][1]["calls"] == 1.0 and s["kinds"][1]["us"] == 8.5
