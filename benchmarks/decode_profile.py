@@ -129,9 +129,10 @@ def device_step_us(engine, batch: int, reps: int = 30) -> float | None:
     from kernels import ops
 
     graphs = engine.runner.graphs
-    if graphs is None or graphs.bucket(batch) is None:
+    bucket = None if graphs is None else graphs.bucket(batch)
+    if bucket is None:
         return None
-    graph, model = graphs.graphs[graphs.bucket(batch)], engine.runner.model
+    graph, model = graphs.graphs[bucket], engine.runner.model
 
     def step() -> None:
         graph.replay()
