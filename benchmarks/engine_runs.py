@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from tqdm import tqdm
 
 from benchmarks.common import Sizes, nanovllm_workload, random_prompts
+from benchmarks.gpu_power import PowerSampler, smi_device, summarize
 from benchmarks.roofline import ModelCost, decode_roofline, offline_roofline
 
 
@@ -71,9 +72,11 @@ def _decode_run(engine, prompts, gen: int) -> dict:
     total = sum(s.tokens for s in steps)
     if total != len(prompts) * gen:
         raise RuntimeError(f"expected {len(prompts) * gen} tokens (ignore_eos), got {total}")
+    end = time.time()
     dec = decode_steps(steps, len(prompts))
     secs = [s.seconds for s in dec]
-    return {"tok_s": len(prompts) * len(dec) / sum(secs), "step_s": secs}
+    # the decode steps are the run's last steps: they span the sum of their durations before `end`
+    return {"tok_s": len(prompts) * len(dec) / sum(secs), "step_s": secs, "window": (end - sum(secs), end)}
 
 
 def decode_figure(
@@ -83,8 +86,9 @@ def decode_figure(
     rng = random.Random(seed)
     vocab = llm.engine.runner.model_config.vocab_size
     _decode_run(llm.engine, random_prompts(rng, batch, prompt, vocab), min(gen, 16))  # warm-up: same shapes
-    runs = [_decode_run(llm.engine, random_prompts(rng, batch, prompt, vocab), gen)
-            for _ in tqdm(range(reps), desc=f"decode batch {batch}")]  # fmt: skip
+    with PowerSampler(_smi_device()) as power:
+        runs = [_decode_run(llm.engine, random_prompts(rng, batch, prompt, vocab), gen)
+                for _ in tqdm(range(reps), desc=f"decode batch {batch}")]  # fmt: skip
     steps = sorted(t for r in runs for t in r["step_s"])
     tok_s = statistics.median(r["tok_s"] for r in runs)
     mean_ctx = prompt + gen / 2  # context of the average decode step
@@ -99,7 +103,15 @@ def decode_figure(
         "weight_GBps": cost.step_weight_bytes * tok_s / batch / 1e9,
         "bytes_GBps": roof["bytes_per_step"] * tok_s / batch / 1e9,
         "roofline": roof, "pct_of_roofline": 100 * tok_s / roof["tok_s"],
+        # SM clock and board power over the timed decode steps (None off a GPU host)
+        "power": summarize(power.samples, [r["window"] for r in runs]),
     }  # fmt: skip
+
+
+def _smi_device() -> str:
+    import torch
+
+    return smi_device(torch.cuda.current_device()) if torch.cuda.is_available() else "0"
 
 
 def _offline_run(llm, prompts, max_tokens, temperature: float) -> dict:
