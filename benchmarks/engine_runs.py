@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from tqdm import tqdm
 
 from benchmarks.common import Sizes, nanovllm_workload, random_prompts
-from benchmarks.gpu_power import PowerSampler, smi_device, summarize
+from benchmarks.gpu_power import PowerSampler, summarize
 from benchmarks.roofline import ModelCost, decode_roofline, offline_roofline
 
 
@@ -86,7 +86,7 @@ def decode_figure(
     rng = random.Random(seed)
     vocab = llm.engine.runner.model_config.vocab_size
     _decode_run(llm.engine, random_prompts(rng, batch, prompt, vocab), min(gen, 16))  # warm-up: same shapes
-    with PowerSampler(_smi_device()) as power:
+    with PowerSampler() as power:
         runs = [_decode_run(llm.engine, random_prompts(rng, batch, prompt, vocab), gen)
                 for _ in tqdm(range(reps), desc=f"decode batch {batch}")]  # fmt: skip
     steps = sorted(t for r in runs for t in r["step_s"])
@@ -106,12 +106,6 @@ def decode_figure(
         # SM clock and board power over the timed decode steps (None off a GPU host)
         "power": summarize(power.samples, [r["window"] for r in runs]),
     }  # fmt: skip
-
-
-def _smi_device() -> str:
-    import torch
-
-    return smi_device(torch.cuda.current_device()) if torch.cuda.is_available() else "0"
 
 
 def _offline_run(llm, prompts, max_tokens, temperature: float) -> dict:

@@ -83,10 +83,17 @@ def smi_device(torch_index: int) -> str:
     return visible[torch_index].strip() if torch_index < len(visible) else str(torch_index)
 
 
-class PowerSampler:
-    """`with PowerSampler("0") as p: ...`; afterwards p.samples holds what nvidia-smi reported."""
+def _current_device() -> str:
+    import torch
 
-    def __init__(self, device: str = "0"):
+    return smi_device(torch.cuda.current_device()) if torch.cuda.is_available() else "0"
+
+
+class PowerSampler:
+    """`with PowerSampler() as p: ...` (torch's current device unless `device` names one for nvidia-smi);
+    afterwards p.samples holds what nvidia-smi reported."""
+
+    def __init__(self, device: str | None = None):
         self.device = device
         self.samples: list[Sample] = []
         self._proc: subprocess.Popen | None = None
@@ -95,8 +102,9 @@ class PowerSampler:
         exe = shutil.which("nvidia-smi")
         query = _query(exe) if exe else None
         if query:
+            device = self.device if self.device is not None else _current_device()
             cmd = [exe, f"--query-gpu={query}", "--format=csv,noheader,nounits", f"--loop-ms={PERIOD_MS}",
-                   f"--id={self.device}"]  # fmt: skip
+                   f"--id={device}"]  # fmt: skip
             self._proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         return self
 
