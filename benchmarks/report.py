@@ -34,16 +34,17 @@ def _decode_note(d: dict) -> str:
         f"step p50 {d['step_ms_p50']:.2f} ms, p90 {d['step_ms_p90']:.2f} ms; weights read "
         f"{d['weight_GBps']:.4g} GB/s ({d['roofline']['bound']}-bound roofline)"
     )
-    return note + _power_note(d.get("power"))
+    return note + _power_note(d.get("power"), d["step_ms_p50"])
 
 
-def _power_note(p: dict | None) -> str:
-    """SM clock and board power over the timed steps, when the run sampled them."""
+def _power_note(p: dict | None, step_ms: float) -> str:
+    """SM clock, board power and energy per step (power x step time) over the timed steps, when sampled."""
     if not p:
         return ""
     return (
         f"; SM clock p50 {p['sm_mhz_p50']:,.0f} of {p['max_sm_mhz']:,.0f} MHz, board {p['watts_p50']:.0f} W "
-        f"p50 of a {p['limit_watts']:.0f} W limit, power-capped in {p['power_capped_pct']:.0f}% of samples"
+        f"p50 of a {p['limit_watts']:.0f} W limit, power-capped in {p['power_capped_pct']:.0f}% of samples, "
+        f"~{p['watts_p50'] * step_ms:,.0f} mJ per step"
     )
 
 
