@@ -12,7 +12,7 @@ includes the board's static power, so it is the energy the limit is charged with
 Summed over the layers, the parts predict the step two ways: from their times (the step if every piece
 runs as it does alone) and from their energy over the power limit (the shortest step the limit allows at
 that energy). A plain read of 1 GiB gives the same for the step's bytes with no math. The norms, RoPE
-and activation kernels (~4% of the step) are left out.
+and activation kernels (~5% of the step) are left out.
 """
 
 from __future__ import annotations
