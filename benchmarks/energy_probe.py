@@ -54,25 +54,31 @@ class Part:
 
     def row(self) -> dict:
         p = self.power or {}
-        rounded = lambda key: None if p.get(key) is None else round(p[key])  # noqa: E731
+
+        def rounded(key: str) -> int | None:
+            return None if p.get(key) is None else round(p[key])
+
         return {"part": self.name, "us": round(self.us, 1), "GB/s": round(self.nbytes / self.us / 1e3),
                 "sm_mhz_p50": rounded("sm_mhz_p50"), "watts_p50": rounded("watts_p50"),
                 "capped_pct": rounded("power_capped_pct"), "mJ": round(self.mj, 2),
                 "pJ/byte": round(self.mj * 1e9 / self.nbytes, 1)}  # fmt: skip
 
 
+def _step(us: float, mj: float, limit_watts: float) -> dict:
+    return {"step_us_from_times": us, "step_mJ": mj, "step_us_at_limit": mj / limit_watts * 1e3}
+
+
 def predict(per_layer: list[Part], once: list[Part], layers: int, limit_watts: float) -> dict:
     """Step time from the parts' own times, and the shortest step `limit_watts` allows for their energy."""
     us = layers * sum(p.us for p in per_layer) + sum(p.us for p in once)
     mj = layers * sum(p.mj for p in per_layer) + sum(p.mj for p in once)
-    return {"step_us_from_times": us, "step_mJ": mj, "step_us_at_limit": mj / limit_watts * 1e3}
+    return _step(us, mj, limit_watts)
 
 
 def predict_read(nbytes: int, read: Part, limit_watts: float) -> dict:
     """The same `nbytes` moved at the plain read's speed and energy per byte: the step with no math."""
-    us = nbytes / read.nbytes * read.us
-    mj = nbytes / read.nbytes * read.mj
-    return {"step_us_from_times": us, "step_mJ": mj, "step_us_at_limit": mj / limit_watts * 1e3}
+    scale = nbytes / read.nbytes
+    return _step(scale * read.us, scale * read.mj, limit_watts)
 
 
 def _graph(launch, n: int):
@@ -158,7 +164,10 @@ def _plain_read() -> Part:
     rows = (1 << 30) // (2 * HIDDEN)
     tensors = [torch.randn(rows, HIDDEN, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
     sums = torch.empty(rows, dtype=torch.float32, device="cuda")
-    read = lambda i: torch.sum(tensors[i], dim=1, dtype=torch.float32, out=sums)  # noqa: E731
+
+    def read(i):
+        torch.sum(tensors[i], dim=1, dtype=torch.float32, out=sums)
+
     return measure("plain read (reference)", read, 2, 1 << 30)
 
 
