@@ -160,3 +160,11 @@ def write_json(path: Path, data: dict) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
     tmp.replace(path)  # a reader never sees half a file
+
+
+def write_report(stem: str | Path, report: dict, text: str) -> None:
+    """A probe's output: STEM.json (the data), STEM.md (its table), and the table on stdout."""
+    stem = Path(stem)
+    write_json(stem.with_suffix(".json"), report)
+    stem.with_suffix(".md").write_text(text)
+    print(text)

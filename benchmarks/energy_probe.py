@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import environment, git_commit, write_json  # noqa: E402
+from benchmarks.common import environment, git_commit, write_report  # noqa: E402
 from benchmarks.gpu_power import PowerSampler, summarize  # noqa: E402
 
 HIDDEN, INTER, VOCAB, LAYERS, Q_HEADS, KV_HEADS, HEAD_DIM = 4096, 14336, 128256, 32, 32, 8, 128  # 8B
@@ -224,11 +224,7 @@ def main() -> int:
               "commit": git_commit(ROOT), "env": environment(), "batch": args.batch, "ctx": args.ctx,
               "layers": LAYERS, "limit_watts": limit, "step_bytes": step_bytes,
               "parts": [p.row() for p in every], "predictions": predictions}  # fmt: skip
-    stem = Path(args.out)
-    write_json(stem.with_suffix(".json"), report)
-    text = markdown(report)
-    stem.with_suffix(".md").write_text(text)
-    print(text)
+    write_report(args.out, report, markdown(report))
     return 0
 
 

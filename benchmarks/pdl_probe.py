@@ -34,7 +34,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from benchmarks.common import environment, git_commit, write_json  # noqa: E402
+from benchmarks.common import environment, git_commit, write_report  # noqa: E402
 from scripts.model_shapes import get_spec  # noqa: E402
 
 ROWS = (2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)  # decode-graph buckets that use cuBLASLt
@@ -251,11 +251,7 @@ def main() -> int:
         "sleep_us": args.sleep_us,
         "cases": cases,
     }
-    stem = Path(args.out)
-    write_json(stem.with_suffix(".json"), report)
-    text = markdown(report)
-    stem.with_suffix(".md").write_text(text)
-    print(text)
+    write_report(args.out, report, markdown(report))
     return 0
 
 

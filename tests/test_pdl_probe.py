@@ -4,10 +4,13 @@ does not; without that the probe's verdict on cuBLASLt would mean nothing."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from benchmarks import pdl_probe
+from benchmarks.common import write_report
 
 SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 
@@ -29,29 +32,29 @@ def test_gemm_shapes_match_the_published_configs():
     }
 
 
-def test_summary_counts_only_kernels_that_waited_in_every_case():
+def _hand_report() -> dict:
     def row(kernel: str, wrong: int, consumer: str = "gemm") -> dict:
-        return {
-            "consumer": consumer,
-            "model": "m",
-            "gemm": "o",
-            "m": 64,
-            "kernel": kernel,
-            "wrong_replays": wrong,
-            "replays": 5,
-        }
+        return {"consumer": consumer, "model": "m", "gemm": "o", "m": 64, "kernel": kernel,
+                "wrong_replays": wrong, "replays": 5}  # fmt: skip
 
-    report = {
-        "env": {"hardware": {"gpu": "G"}, "versions": {"torch": "t"}},
-        "command": "c",
-        "commit": "x",
-        "sleep_us": 20,
-        "cublaslt": 1,
-        "cases": [row("_reader", 5, "reader-nowait"), row("k1", 0), row("k1", 2), row("k2", 0)],
-    }
-    text = pdl_probe.markdown(report)
+    cases = [row("_reader", 5, "reader-nowait"), row("k1", 0), row("k1", 2), row("k2", 0)]
+    env = {"hardware": {"gpu": "G"}, "versions": {"torch": "t"}}
+    return {"env": env, "command": "c", "commit": "x", "sleep_us": 20, "cublaslt": 1, "cases": cases}
+
+
+def test_summary_counts_only_kernels_that_waited_in_every_case():
+    text = pdl_probe.markdown(_hand_report())
     assert "2 distinct GEMM kernels; 1 waited for the producer in every case: ['k2']." in text
     assert "| gemm | m | o | 64 | k1 | 2 of 5 |" in text
+
+
+def test_report_files_hold_the_data_and_the_table(tmp_path, capsys):
+    report = _hand_report()
+    text = pdl_probe.markdown(report)
+    write_report(tmp_path / "sub" / "probe", report, text)
+    assert json.loads((tmp_path / "sub" / "probe.json").read_text()) == report
+    assert (tmp_path / "sub" / "probe.md").read_text() == text
+    assert capsys.readouterr().out == text + "\n"
 
 
 @pytest.mark.gpu
