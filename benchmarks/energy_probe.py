@@ -29,10 +29,11 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import environment, git_commit, write_report  # noqa: E402
 from benchmarks.gpu_power import PowerSampler, summarize  # noqa: E402
+from scripts.model_shapes import get_spec  # noqa: E402
 
-HIDDEN, INTER, VOCAB, LAYERS, Q_HEADS, KV_HEADS, HEAD_DIM = 4096, 14336, 128256, 32, 32, 8, 128  # 8B
-GEMMS = {"qkv": (HIDDEN, (Q_HEADS + 2 * KV_HEADS) * HEAD_DIM), "o": (HIDDEN, HIDDEN),
-         "gate_up": (HIDDEN, 2 * INTER), "down": (INTER, HIDDEN)}  # name: (K, N)  # fmt: skip
+SPEC = get_spec("llama-3.1-8b")
+HIDDEN, VOCAB, LAYERS, HEAD_DIM = SPEC.hidden_size, SPEC.vocab_size, SPEC.num_layers, SPEC.head_dim
+GEMMS = SPEC.fused_projections()  # name: (N, K)
 COPIES = 4  # distinct operands per graph: > 1 GB of weights or KV, so no launch finds its bytes in L2
 SECONDS = 2.0  # replay time per piece: ~20 power samples
 
@@ -140,15 +141,16 @@ def _attention(batch: int, ctx: int) -> Part:
 
 
 def _gemms(name: str, shapes: dict[str, tuple[int, int]], batch: int, copies: int) -> Part:
-    """The GEMMs of `shapes` (x [batch, K] @ W[N, K]^T), in a row, on `copies` distinct sets of weights."""
+    """The GEMMs of `shapes` (name: (N, K); x [batch, K] @ W[N, K]^T), in a row, on `copies` distinct
+    sets of weights."""
     import torch
     import torch.nn.functional as F
 
     dev, bf16 = torch.device("cuda"), torch.bfloat16
     ws = [
-        [torch.randn(n, k, dtype=bf16, device=dev) * 0.02 for k, n in shapes.values()] for _ in range(copies)
+        [torch.randn(n, k, dtype=bf16, device=dev) * 0.02 for n, k in shapes.values()] for _ in range(copies)
     ]
-    xs = [torch.randn(batch, k, dtype=bf16, device=dev) for k, _ in shapes.values()]
+    xs = [torch.randn(batch, k, dtype=bf16, device=dev) for _, k in shapes.values()]
 
     def gemm(i):
         for x, w in zip(xs, ws[i]):
@@ -178,7 +180,7 @@ def probe(batch: int, ctx: int) -> dict[str, list[Part]]:
     torch.backends.cuda.preferred_blas_library("cublaslt")  # as the engine (LoadConfig.blas_library)
     attention = _attention(batch, ctx)
     gemms = _gemms("qkv, o, gate_up, down GEMMs", GEMMS, batch, COPIES)
-    lm_head = _gemms("lm_head GEMM", {"lm_head": (HIDDEN, VOCAB)}, batch, 2)
+    lm_head = _gemms("lm_head GEMM", {"lm_head": (VOCAB, HIDDEN)}, batch, 2)
     return {"layer": [attention, gemms], "step": [lm_head], "reference": [_plain_read()]}
 
 

@@ -193,18 +193,6 @@ def cublaslt_version() -> int | None:
     return ctypes.CDLL(min(paths)).cublasLtGetVersion() if paths else None
 
 
-def gemm_shapes(model: str) -> dict[str, tuple[int, int]]:
-    """name: (N, K) of a decoder layer's four projections, as the engine fuses them (qkv, gate|up)."""
-    s = get_spec(model)
-    q = s.num_heads * s.head_dim
-    return {
-        "qkv": (q + 2 * s.num_kv_heads * s.head_dim, s.hidden_size),
-        "o": (s.hidden_size, q),
-        "gate_up": (2 * s.intermediate_size, s.hidden_size),
-        "down": (s.hidden_size, s.intermediate_size),
-    }
-
-
 def markdown(report: dict) -> str:
     lines = [
         f"# Does cuBLASLt's GEMM wait for a PDL producer? ({report['env']['hardware'].get('gpu')})",
@@ -241,7 +229,7 @@ def main() -> int:
     torch.backends.cuda.preferred_blas_library("cublaslt")  # as the engine (LoadConfig.blas_library)
     cases = [case(c, 64, 0, 4096, args.sleep_us) for c in ("reader-wait", "reader-nowait")]
     for model in args.models.split(","):
-        for gemm, (n, k) in gemm_shapes(model).items():
+        for gemm, (n, k) in get_spec(model).fused_projections().items():
             cases += [{"model": model, "gemm": gemm, **case("gemm", m, n, k, args.sleep_us)} for m in ROWS]
     report = {
         "command": "python -m benchmarks.pdl_probe " + " ".join(sys.argv[1:]),

@@ -1,6 +1,6 @@
-"""benchmarks/pdl_probe.py: its GEMM shapes against the published configs, its summary on a report
-written by hand, and (GPU) that it tells a consumer which waits for a PDL producer from one which
-does not; without that the probe's verdict on cuBLASLt would mean nothing."""
+"""benchmarks/pdl_probe.py: the GEMM shapes it probes (scripts.model_shapes) against the published
+configs, its summary on a report written by hand, and (GPU) that it tells a consumer which waits for a
+PDL producer from one which does not; without that its verdict on cuBLASLt would mean nothing."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 
 from benchmarks import pdl_probe
 from benchmarks.common import write_report
+from scripts.model_shapes import get_spec
 
 SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 
@@ -18,13 +19,13 @@ SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 def test_gemm_shapes_match_the_published_configs():
     # Llama-3.1-8B: hidden 4096, 32 heads x 128, 8 KV heads, MLP 14336; Qwen3-0.6B: hidden 1024,
     # 16 heads x 128 (so q is wider than hidden), 8 KV heads, MLP 3072.
-    assert pdl_probe.gemm_shapes("llama-3.1-8b") == {
+    assert get_spec("llama-3.1-8b").fused_projections() == {
         "qkv": (6144, 4096),
         "o": (4096, 4096),
         "gate_up": (28672, 4096),
         "down": (4096, 14336),
     }
-    assert pdl_probe.gemm_shapes("qwen3-0.6b") == {
+    assert get_spec("qwen3-0.6b").fused_projections() == {
         "qkv": (4096, 1024),
         "o": (1024, 2048),
         "gate_up": (6144, 1024),
