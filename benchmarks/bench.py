@@ -4,8 +4,9 @@
     python -m benchmarks.bench --smoke --suite all --out /tmp/bench-smoke    # CPU check, tiny models
 
 Suites (comma-separated, or `all`): a (batch-1 decode, Llama-3.1-8B and Llama-3.2-1B shapes),
-b (batch-64 decode at 1k context, 8B), c (nano-vllm offline workload, Qwen3-0.6B), hf-a / hf-c
-(transformers on a / c), eager (a with CUDA graphs off). The env job (hardware, versions, measured
+b (batch-64 decode at 1k context, 8B), b-fp8 (b with kv_cache_dtype="fp8": weights still bf16, the KV
+cache in float8 e4m3), c (nano-vllm offline workload, Qwen3-0.6B), hf-a / hf-c (transformers on a / c),
+eager (a with CUDA graphs off). The env job (hardware, versions, measured
 copy bandwidth and matmul rate, from which the rooflines are computed) always runs first.
 Random-weight checkpoints are written once into --ckpt-dir and reused.
 
@@ -31,7 +32,7 @@ from pathlib import Path
 from benchmarks.common import Sizes, ckpt_path, environment, git_commit, model_name, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
-SUITES = ("a", "b", "c", "hf-a", "hf-c", "eager")
+SUITES = ("a", "b", "b-fp8", "c", "hf-a", "hf-c", "eager")
 L8, L1, Q = "llama-3.1-8b", "llama-3.2-1b", "qwen3-0.6b"
 
 
@@ -42,6 +43,7 @@ class Job:
     model: str | None = None
     figures: list[str] = field(default_factory=list)
     eager: bool = False
+    kv_cache_dtype: str = "auto"  # engine jobs: CacheConfig.kv_cache_dtype
     cap_s: float = 300.0
 
 
@@ -55,6 +57,14 @@ def plan(suites: set[str], smoke: bool) -> list[Job]:
         Job(f"engine-{Q}", "engine", Q, ["c"] if "c" in suites else [], cap_s=360),
         Job(f"hf-{L1}", "hf", L1, ["a"] if "hf-a" in suites else [], cap_s=120),
         Job(f"hf-{Q}", "hf", Q, ["c"] if "hf-c" in suites else [], cap_s=200),
+        Job(
+            f"engine-fp8kv-{L8}",
+            "engine",
+            L8,
+            ["b"] if "b-fp8" in suites else [],
+            kv_cache_dtype="fp8",
+            cap_s=240,
+        ),
         Job(f"engine-eager-{L8}", "engine", L8, ["a"] if "eager" in suites else [], eager=True, cap_s=200),
         Job(f"engine-eager-{L1}", "engine", L1, ["a"] if "eager" in suites else [], eager=True, cap_s=120),
     ]
@@ -91,12 +101,13 @@ def run_job(job: Job, args) -> dict:
     if job.kind == "ckpt":
         return make_checkpoint(job.model, path, args.smoke)
     dtype_bytes = 2 if torch.cuda.is_available() else 4  # bf16 on a GPU, fp32 on a CPU
-    cost = model_cost(path, dtype_bytes)
+    cost = model_cost(path, dtype_bytes, kv_dtype_bytes=1 if job.kv_cache_dtype == "fp8" else None)
     caps = _device_caps(Path(args.out))
     if job.kind == "engine":
         from benchmarks.engine_runs import run_engine_job
 
-        return run_engine_job(str(path), job.figures, job.eager or args.enforce_eager, args, cost, caps)
+        eager = job.eager or args.enforce_eager
+        return run_engine_job(str(path), job.figures, eager, job.kv_cache_dtype, args, cost, caps)
     from benchmarks.hf_baseline import run_hf_job
 
     return run_hf_job(str(path), job.figures, args, cost, caps)
@@ -140,7 +151,7 @@ def job_main(args) -> None:
         traceback.print_exc()
         record = {"status": "error", "error": f"{type(exc).__name__}: {exc}"}
     record.update(job=job.name, kind=job.kind, model=job.model, figures=job.figures, eager=job.eager,
-                  elapsed_s=time.perf_counter() - t0)  # fmt: skip
+                  kv_cache_dtype=job.kv_cache_dtype, elapsed_s=time.perf_counter() - t0)  # fmt: skip
     write_json(part, record)
 
 

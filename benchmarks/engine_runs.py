@@ -148,12 +148,13 @@ def offline_figure(llm, cost: ModelCost, device: dict, s: Sizes) -> dict:
     return {"full": full, "subset": subset}
 
 
-def engine_options(args, figures: list[str], eager: bool) -> dict:
+def engine_options(args, figures: list[str], eager: bool, kv_cache_dtype: str = "auto") -> dict:
     """LLM(...) keywords for one job; bf16 on a GPU, the engine's own default (fp32) on a CPU."""
     import torch
 
     opts = {
         "dtype": "bfloat16" if torch.cuda.is_available() else "auto",
+        "kv_cache_dtype": kv_cache_dtype,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_num_seqs": args.max_num_seqs if "c" in figures else max(args.sizes.b_batch, 1),
         "enforce_eager": eager,
@@ -168,10 +169,12 @@ def engine_options(args, figures: list[str], eager: bool) -> dict:
     return opts
 
 
-def run_engine_job(path: str, figures: list[str], eager: bool, args, cost: ModelCost, device: dict) -> dict:
+def run_engine_job(
+    path: str, figures: list[str], eager: bool, kv_cache_dtype: str, args, cost: ModelCost, device: dict
+) -> dict:
     from engine import LLM
 
-    opts = engine_options(args, figures, eager)
+    opts = engine_options(args, figures, eager, kv_cache_dtype)
     t0 = time.perf_counter()
     llm = LLM(str(path), **opts)
     out: dict = {"engine_options": opts, "load_s": time.perf_counter() - t0,

@@ -3,10 +3,12 @@
     python benchmarks/kernel_bench.py               # GPU: gpu-marked kernel tests, then timings (~2 min)
     python benchmarks/kernel_bench.py --no-tests    # GPU: timings only
     python benchmarks/kernel_bench.py --compile-only  # any machine: build every kernel for sm_90
+    python benchmarks/kernel_bench.py --sweep-decode [--kv-dtype fp8]  # GPU: decode-attention configs
 
 Timings are medians of triton.testing.do_bench. Decode attention uses Llama-3.1-8B shapes (32 q heads,
-8 KV heads, head_dim 128, page 16, bf16) and reports the KV bytes it must read / time against the
-device's measured copy bandwidth (bytes read + written by a large device-to-device copy / time).
+8 KV heads, head_dim 128, page 16; a bf16 and an fp8 KV cache) and reports the KV bytes it must read /
+time against the device's measured copy bandwidth (bytes read + written by a large device-to-device
+copy / time).
 The short table comes last.
 """
 
@@ -87,9 +89,12 @@ def _launch_all_on_cpu() -> list:
         triton_rope.rope_store_kv(q, k, k, torch.arange(6), torch.randn(64, d), cache, cache, slots, **norm)
         tables = torch.arange(8, dtype=torch.int32).view(2, 4)
         lens, cu = torch.tensor([40, 64], dtype=torch.int32), torch.tensor([0, 3, 6], dtype=torch.int32)
-        dec.decode_attention(q[:2], cache, cache, tables, lens, 0.1, window, cap)  # 1 split: direct
-        dec.decode_attention(q[:2], cache, cache, tables, lens, 0.1, window, cap, num_splits=2)  # + merge
-        pre.prefill_attention(q, cache, cache, cu, lens, 3, 0.1, tables, window, cap)
+        for kv in (cache, cache.to(torch.float8_e4m3fn)):  # the model-dtype and the fp8 KV cache
+            triton_kv.store_kv(k, k, kv, kv, torch.arange(6))
+            triton_rope.rope_store_kv(q, k, k, torch.arange(6), torch.randn(64, d), kv, kv, slots, **norm)
+            dec.decode_attention(q[:2], kv, kv, tables, lens, 0.1, window, cap)  # 1 split: direct
+            dec.decode_attention(q[:2], kv, kv, tables, lens, 0.1, window, cap, num_splits=2)  # + merge
+            pre.prefill_attention(q, kv, kv, cu, lens, 3, 0.1, tables, window, cap)
         pre.prefill_attention(q, k, k, cu, torch.tensor([3, 3]), 3, 0.1, None, window, cap)
     return [triton_norm._rms_norm_kernel, triton_act._gated_kernel, triton_rope._rope_kernel,
             triton_rope._rope_store_kv_kernel, triton_kv._store_kv_kernel, dec._decode_split_kernel,
@@ -131,12 +136,14 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() / (_ms(lambda: dst.copy_(src)) * 1e-3) / 1e9
 
 
-def _decode_case(batch: int, ctx: int, page: int = 16, hq: int = 32, hk: int = 8, d: int = 128):
+def _decode_case(
+    batch: int, ctx: int, page: int = 16, hq: int = 32, hk: int = 8, d: int = 128, kv_dtype=torch.bfloat16
+):
     from engine.attention_context import AttentionMetadata
 
     blocks = math.ceil(ctx / page)
-    k_cache = torch.randn(batch * blocks + 1, page, hk, d, dtype=torch.bfloat16, device="cuda")
-    v_cache = torch.randn_like(k_cache)
+    k_cache = torch.randn(batch * blocks + 1, page, hk, d, device="cuda").to(kv_dtype)
+    v_cache = torch.randn_like(k_cache, dtype=torch.float32).to(kv_dtype)
     tables = torch.randperm(batch * blocks, device="cuda").view(batch, blocks).to(torch.int32)
     lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
     meta = AttentionMetadata(torch.arange(batch + 1, dtype=torch.int32, device="cuda"), lens, None, tables,
@@ -146,11 +153,11 @@ def _decode_case(batch: int, ctx: int, page: int = 16, hq: int = 32, hk: int = 8
     return q, k_cache, v_cache, meta, kv_bytes
 
 
-def bench_decode_case(batch: int, ctx: int, copy_gbs: float) -> tuple:
+def bench_decode_case(batch: int, ctx: int, copy_gbs: float, kv_dtype=torch.bfloat16) -> tuple:
     from kernels import torch_ops
     from kernels.triton_decode_attention import decode_attention
 
-    q, kc, vc, meta, kv_bytes = _decode_case(batch, ctx)
+    q, kc, vc, meta, kv_bytes = _decode_case(batch, ctx, kv_dtype=kv_dtype)
     k_new = q[:, :8]  # the twin takes the KV head count from k
     run = lambda s=None: decode_attention(q, kc, vc, meta.block_tables, meta.seq_lens, 0.088, num_splits=s)
     twin = lambda: torch_ops.attention(q, k_new, k_new, kc, vc, meta, 0.088)
@@ -162,7 +169,8 @@ def bench_decode_case(batch: int, ctx: int, copy_gbs: float) -> tuple:
     t_graph = _ms(graph.replay)
     gbs = kv_bytes / (t_tri * 1e-3) / 1e9
     note = f"{gbs:.0f} GB/s = {gbs / copy_gbs:.0%} of copy; 1 split {t_one:.3f} ms; graph {t_graph:.3f} ms"
-    return f"decode B={batch} ctx={ctx}", t_tri, t_twin, note
+    fp8 = " fp8" if kv_dtype == torch.float8_e4m3fn else ""
+    return f"decode B={batch} ctx={ctx}{fp8}", t_tri, t_twin, note
 
 
 DECODE_SWEEP = [  # (BLOCK_N, num_warps, num_stages, PROGRAMS_PER_SM, MIN_SPLITS); the first is the default
@@ -175,20 +183,21 @@ DECODE_SWEEP_CASES = [  # (batch, ctx, Hq, Hk): (a) 8B, (b) 8B, (c)-like Qwen3-0
 ]  # fmt: skip
 
 
-def sweep_decode(copy_gbs: float) -> None:
-    """us per decode-attention call for each DECODE_SWEEP config (module globals patched). Block tables
-    are as wide as the context here; the engine's graphs use max_model_len wide ones, which can only
-    raise the split count where the context caps it (batch 1)."""
+def sweep_decode(copy_gbs: float, kv_dtype: torch.dtype) -> None:
+    """us per decode-attention call for each DECODE_SWEEP config (module globals patched), over a KV
+    cache of kv_dtype. Block tables are as wide as the context here; the engine's graphs use
+    max_model_len wide ones, which can only raise the split count where the context caps it (batch 1)."""
     from kernels import triton_decode_attention as tda
 
     saved = tda.decode_config, tda.PROGRAMS_PER_SM, tda.MIN_SPLITS
-    print("decode configs (BLOCK_N, warps, stages, programs/SM, min splits):", DECODE_SWEEP)
+    print(f"decode configs over a {kv_dtype} cache (BLOCK_N, warps, stages, programs/SM, min splits):",
+          DECODE_SWEEP)  # fmt: skip
     for batch, ctx, hq, hk in DECODE_SWEEP_CASES:
-        q, kc, vc, meta, kv_bytes = _decode_case(batch, ctx, hq=hq, hk=hk)
+        q, kc, vc, meta, kv_bytes = _decode_case(batch, ctx, hq=hq, hk=hk, kv_dtype=kv_dtype)
         args = (q, kc, vc, meta.block_tables, meta.seq_lens, 0.088)
         times = []
         for block_n, warps, stages, pps, min_splits in DECODE_SWEEP:
-            tda.decode_config = lambda head_dim, c=(block_n, warps, stages): c
+            tda.decode_config = lambda *_, c=(block_n, warps, stages): c
             tda.PROGRAMS_PER_SM, tda.MIN_SPLITS = pps, min_splits
             times.append(_ms(lambda a=args: tda.decode_attention(*a)))
         best = min(times)
@@ -232,6 +241,7 @@ def main() -> int:
     parser.add_argument("--compile-only", action="store_true", help="build for sm_90 on CPU, no GPU needed")
     parser.add_argument("--no-tests", action="store_true", help="skip the gpu-marked kernel tests")
     parser.add_argument("--sweep-decode", action="store_true", help="time decode-attention configs (GPU)")
+    parser.add_argument("--kv-dtype", choices=["bf16", "fp8"], default="bf16", help="cache of --sweep-decode")
     args = parser.parse_args()
     if args.compile_only:
         return compile_only()
@@ -239,11 +249,14 @@ def main() -> int:
         print("no CUDA device: run with --compile-only, or on a GPU machine")
         return 1
     if args.sweep_decode:
-        sweep_decode(copy_bandwidth())
+        sweep_decode(copy_bandwidth(), torch.float8_e4m3fn if args.kv_dtype == "fp8" else torch.bfloat16)
         return 0
     tests_rc = 0 if args.no_tests else run_gpu_tests("tests/test_kernels.py")
     copy_gbs = copy_bandwidth()
     rows = [bench_decode_case(b, ctx, copy_gbs) for b in (1, 64) for ctx in (1024, 4096)]
+    rows += [
+        bench_decode_case(b, ctx, copy_gbs, torch.float8_e4m3fn) for b in (1, 64) for ctx in (1024, 4096)
+    ]
     rows += bench_elementwise()
     print(f"\n{torch.cuda.get_device_name()}: device copy {copy_gbs:.0f} GB/s (read + write)")
     print(f"{'kernel':<26}{'triton ms':>10}{'twin ms':>10}{'speedup':>9}  notes")

@@ -54,6 +54,8 @@ def rows_for(part: dict) -> list[dict]:
     if kind in ("env", "ckpt"):
         return []
     system = "transformers" if kind == "hf" else ("engine, eager" if part.get("eager") else "engine")
+    if part.get("kv_cache_dtype", "auto") != "auto":
+        system += f", {part['kv_cache_dtype']} KV"
     if part.get("status") != "ok":
         figs = ",".join(part.get("figures") or [])
         why = f"{part.get('status')}: {part.get('error', '')[:160]}"

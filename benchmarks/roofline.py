@@ -34,7 +34,7 @@ class ModelCost:
     weight_bytes_total: int  # every tensor in the checkpoint
     step_weight_bytes: int  # weights a decode step reads (all but an untied input embedding)
     matmul_params: int  # elements multiplied per token (= step weights; norms are negligible)
-    kv_bytes_per_token: int  # one context token's K and V over all layers, in the serving dtype
+    kv_bytes_per_token: int  # one context token's K and V over all layers, in the KV cache's dtype
     attn_flops_per_ctx_token: int  # per query token and per context token, over all layers
     num_layers: int
 
@@ -56,8 +56,9 @@ def _safetensors_sizes(path: Path) -> dict[str, tuple[int, str]]:
     return sizes
 
 
-def model_cost(path: str | Path, dtype_bytes: int = 2) -> ModelCost:
-    """Costs for `path` served in a dtype of `dtype_bytes` (weights are rescaled from the file's dtype)."""
+def model_cost(path: str | Path, dtype_bytes: int = 2, kv_dtype_bytes: int | None = None) -> ModelCost:
+    """Costs for `path` served in a dtype of `dtype_bytes` (weights are rescaled from the file's dtype),
+    with a KV cache of `kv_dtype_bytes` per value (default: the serving dtype's; 1 for an fp8 cache)."""
     path = Path(path)
     cfg = json.loads((path / "config.json").read_text())
     # element counts, so that a checkpoint stored in fp32 is costed in the dtype it is served in
@@ -67,7 +68,7 @@ def model_cost(path: str | Path, dtype_bytes: int = 2) -> ModelCost:
     step = total - (0 if tied else numel.get(EMBED, 0))
     layers = cfg["num_hidden_layers"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    kv = layers * 2 * cfg["num_key_value_heads"] * head_dim * dtype_bytes
+    kv = layers * 2 * cfg["num_key_value_heads"] * head_dim * (kv_dtype_bytes or dtype_bytes)
     return ModelCost(
         weight_bytes_total=total * dtype_bytes,
         step_weight_bytes=step * dtype_bytes,

@@ -38,9 +38,14 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.85  # fraction of total GPU memory the engine may use (weights + KV)
     cpu_kv_cache_bytes: int = 256 * 2**20  # KV budget on CPU
     num_blocks: int | None = None  # override: exactly this many blocks (tests force preemption with it)
+    # KV-cache element type. "auto": the model's dtype. "fp8": float8 e4m3 with a unit scale (values
+    # clamped to +-448, 3 mantissa bits), half the bytes of bf16: twice the cached tokens, and half the
+    # KV traffic of a decode step. Attention upcasts to the model dtype as it loads (kernels/quant.py).
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         _require(self.block_size >= 1, "block_size", "must be >= 1")
+        _require(self.kv_cache_dtype in ("auto", "fp8"), "kv_cache_dtype", "must be auto or fp8")
         _require(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "must be in (0, 1]")
         _require(self.cpu_kv_cache_bytes > 0, "cpu_kv_cache_bytes", "must be > 0")
         _require(self.num_blocks is None or self.num_blocks >= 1, "num_blocks", "must be >= 1 or None")

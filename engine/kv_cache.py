@@ -1,7 +1,8 @@
 """The KV-cache pool: how many blocks fit (a run-time value, never a config field) and the tensors.
 
 Per layer, k_cache and v_cache are [num_blocks, block_size, num_kv_heads, head_dim]; block b of every
-layer holds the same token positions, so one block table serves all layers.
+layer holds the same token positions, so one block table serves all layers. Their element type is the
+model's, or float8 e4m3 with kv_cache_dtype="fp8" (half the bytes per block, so twice the blocks).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 
 from engine.config import CacheConfig
 from engine.model_config import ModelConfig
+from kernels import torch_ops
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,11 @@ class KVCacheSpec:
     @property
     def num_tokens(self) -> int:
         return self.num_blocks * self.block_size
+
+
+def kv_cache_dtype(cache: CacheConfig, model_dtype: torch.dtype) -> torch.dtype:
+    """The caches' element type: the model's for "auto", float8 e4m3 for "fp8" (kernels.torch_ops)."""
+    return torch_ops.FP8_DTYPE if cache.kv_cache_dtype == "fp8" else model_dtype
 
 
 def plan_kv_cache(

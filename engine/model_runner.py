@@ -12,7 +12,7 @@ import torch
 from engine.attention_context import AttentionMetadata, attention_context
 from engine.config import EngineConfig
 from engine.cuda_graph import DecodeGraphs
-from engine.kv_cache import KVCacheSpec, allocate_kv_cache, plan_kv_cache
+from engine.kv_cache import KVCacheSpec, allocate_kv_cache, kv_cache_dtype, plan_kv_cache
 from engine.loader import load_model
 from engine.model_config import ModelConfig
 from engine.models.layers import Attention
@@ -54,7 +54,11 @@ class ModelRunner:
         self.max_model_len = min(config.load.max_model_len or min(max_pos, 8192), max_pos)
         self.block_size = config.cache.block_size
         self.kv_spec: KVCacheSpec = plan_kv_cache(
-            config.cache, self.model_config, self.dtype, self.device, self._profile_activation_bytes()
+            config.cache,
+            self.model_config,
+            kv_cache_dtype(config.cache, self.dtype),
+            self.device,
+            self._profile_activation_bytes(),
         )
         self.kv_caches = allocate_kv_cache(self.kv_spec, self.device)
         attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]

@@ -55,14 +55,27 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(gate, approximate="tanh") * up
 
 
+FP8_DTYPE = torch.float8_e4m3fn  # the fp8 KV-cache element (engine.config.CacheConfig.kv_cache_dtype)
+FP8_MAX = 448.0  # torch.finfo(FP8_DTYPE).max: values beyond are clamped, never turned into NaN
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x as a KV cache of `dtype` stores it: an fp8 cache holds x clamped to +-FP8_MAX and rounded to
+    nearest (even) with a unit scale; any other cache dtype is a plain cast."""
+    if dtype == FP8_DTYPE:
+        return x.float().clamp(-FP8_MAX, FP8_MAX).to(dtype)
+    return x.to(dtype)
+
+
 def store_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Write k/v [T, Hk, D] into caches [num_blocks, block_size, Hk, D] at flat slots; slot -1 is skipped."""
+    """Write k/v [T, Hk, D] into caches [num_blocks, block_size, Hk, D] at flat slots; slot -1 is skipped.
+    The values are converted with to_cache_dtype (fp8 caches: clamped and rounded)."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep]
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep]
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = to_cache_dtype(k[keep], k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = to_cache_dtype(v[keep], v_cache.dtype)
 
 
 def rope_store_kv(
@@ -109,7 +122,8 @@ def attention(
 ) -> torch.Tensor:
     """Causal GQA attention for a packed batch (see engine.attention_context for the layout).
 
-    q: [T, Hq, D]; k, v: [T, Hk, D] (this step's keys, already stored in the cache when there is one).
+    q: [T, Hq, D]; k, v: [T, Hk, D] (this step's keys, already stored in the cache when there is one;
+    attention then reads them back from the cache, so an fp8 cache's rounding applies to them too).
     Query i of a sequence sits at absolute position p = seq_len - query_len + i and sees key j iff
     j <= p and (sliding_window is None or p - j < sliding_window). Returns [T, Hq, D].
     """

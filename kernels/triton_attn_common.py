@@ -24,6 +24,16 @@ def load_paged_rows(base_ptr, bt_row, pos, valid, kh, stride_b, stride_s, stride
 
 
 @triton.jit
+def dot_dtype_for(q, kv_ptr):
+    """q in the type the attention dots run in over the cache behind kv_ptr: its own, except bf16 q over
+    an fp8 cache, which runs in fp16. fp8 -> fp16 is one instruction per pair of values (fp8 -> bf16
+    takes three more), both are exact, and fp16 holds bf16 q to more digits (within +-65504)."""
+    if kv_ptr.dtype.element_ty == tl.float8e4nv and q.dtype == tl.bfloat16:
+        q = q.to(tl.float16)
+    return q
+
+
+@triton.jit
 def scores_log2(q, k, allowed, scale, softcap, HAS_SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr):
     """q [M, D] . k [N, D]^T * scale, optionally soft-capped (cap * tanh(s / cap)), in base 2; -inf where
     not `allowed`. fp32 accumulation."""

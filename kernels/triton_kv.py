@@ -1,8 +1,11 @@
-"""Triton KV-cache write (twin: kernels.torch_ops.store_kv).
+"""Triton KV-cache write (twin: kernels.torch_ops.store_kv) and the cast into the cache's element type.
 
 Caches are [num_blocks, block_size, Hk, D] and contiguous, so flat slot s = block * block_size + offset
 starts at element s * Hk * D. One program copies the Hk * D keys and values of one token; a token whose
 slot is -1 (CUDA-graph padding) stores nothing.
+
+An fp8 (e4m3) cache stores each value clamped to +-448 and rounded to nearest even, with a unit scale
+(torch_ops.to_cache_dtype); readers upcast it to the model dtype as they load.
 """
 
 from __future__ import annotations
@@ -10,6 +13,17 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+FP8_MAX = tl.constexpr(448.0)  # largest finite float8 e4m3 (torch.float8_e4m3fn) value
+
+
+@triton.jit
+def to_cache(x, cache_ptr):
+    """x converted for a store through cache_ptr: clamped first when the cache is fp8, since an
+    out-of-range value must saturate, not become NaN. A plain cast for any other cache dtype."""
+    if cache_ptr.dtype.element_ty == tl.float8e4nv:
+        x = tl.clamp(x.to(tl.float32), -FP8_MAX, FP8_MAX)
+    return x.to(cache_ptr.dtype.element_ty)
 
 
 @triton.jit
@@ -28,8 +42,8 @@ def _store_kv_kernel(
     col = idx % HEAD_DIM
     k = tl.load(k_ptr + t * stride_kt + head * stride_kh + col, mask=mask)
     v = tl.load(v_ptr + t * stride_vt + head * stride_vh + col, mask=mask)
-    tl.store(k_cache_ptr + slot * ROW + idx, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + slot * ROW + idx, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(k_cache_ptr + slot * ROW + idx, to_cache(k, k_cache_ptr), mask=mask)
+    tl.store(v_cache_ptr + slot * ROW + idx, to_cache(v, v_cache_ptr), mask=mask)
 
 
 def store_kv(

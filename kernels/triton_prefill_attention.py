@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_attn_common import load_paged_rows, online_softmax_step, scores_log2
+from kernels.triton_attn_common import dot_dtype_for, load_paged_rows, online_softmax_step, scores_log2
 
 
 @triton.jit
@@ -61,6 +61,7 @@ def _prefill_kernel(
     rows = (q_start + m).to(tl.int64)
     q_mask = mvalid[:, None] & dmask[None, :]
     q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + d[None, :], mask=q_mask, other=0.0)
+    q = dot_dtype_for(q, k_ptr)
 
     # Keys this tile can see: causal bound from its last row, window bound from its first row.
     hi = tl.minimum(seq_len, ctx + (tile + 1) * BLOCK_M)
@@ -72,13 +73,14 @@ def _prefill_kernel(
     for n in range(lo, hi, BLOCK_N):
         kpos = n + tl.arange(0, BLOCK_N)
         kvalid = kpos < hi
+        # .to(q.dtype): an fp8 cache is upcast as it loads (exact; see dot_dtype_for).
         k = _load_kv_tile(k_ptr, bt_row, q_start, kpos, kvalid, kh, stride_kb, stride_ks, stride_kh, d,
-                          dmask, PAGED, PAGE)  # fmt: skip
+                          dmask, PAGED, PAGE).to(q.dtype)  # fmt: skip
         allowed = kvalid[None, :] & (kpos[None, :] <= qpos[:, None])
         allowed = allowed & ((window <= 0) | (qpos[:, None] - kpos[None, :] < window))
         s = scores_log2(q, k, allowed, scale, softcap, HAS_SOFTCAP, DOT_PREC)
         v = _load_kv_tile(v_ptr, bt_row, q_start, kpos, kvalid, kh, stride_vb, stride_vs, stride_vh, d,
-                          dmask, PAGED, PAGE)  # fmt: skip
+                          dmask, PAGED, PAGE).to(q.dtype)  # fmt: skip
         # Rows may see nothing in a tile (window edge, rows past q_len): the step keeps them at 0.
         m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_PREC)
 

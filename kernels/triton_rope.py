@@ -8,7 +8,8 @@ tensors unless destinations are passed.
 
 rope_store_kv fuses the attention prologue into the same one-program-per-token launch: optional per-head
 RMSNorm of q and k (QK-norm, Qwen3 / Gemma 3; rounded to the input dtype before RoPE, like the unfused
-twins), RoPE, and the paged KV-cache write of the rotated k and the untouched v (slot -1 stores nothing).
+twins), RoPE, and the paged KV-cache write of the rotated k and the untouched v (slot -1 stores nothing;
+an fp8 cache gets them clamped and rounded, kernels.triton_kv.to_cache).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import triton.language as tl
 
 from kernels.pdl import enabled as pdl_enabled
 from kernels.pdl import wait_for_inputs
+from kernels.triton_kv import to_cache
 
 
 @triton.jit
@@ -51,10 +53,12 @@ def _rotate_heads(
         x1 = (x1 * inv_rms * (w_offset + w1)).to(src_ptr.dtype.element_ty).to(tl.float32)
         x2 = (x2 * inv_rms * (w_offset + w2)).to(src_ptr.dtype.element_ty).to(tl.float32)
     # Both halves are loaded before anything is stored, so dst may alias src (in-place rotation).
+    # Results round to the input dtype first, like the twin's rotated tensor, and then into dst's type
+    # (a no-op unless dst is an fp8 KV cache).
     dst = dst_ptr + t * dst_stride_t + heads * dst_stride_h + cols
-    out_ty = dst_ptr.dtype.element_ty
-    tl.store(dst, (x1 * cos - x2 * sin).to(out_ty), mask=mask)
-    tl.store(dst + HALF, (x2 * cos + x1 * sin).to(out_ty), mask=mask)
+    in_ty = src_ptr.dtype.element_ty
+    tl.store(dst, to_cache((x1 * cos - x2 * sin).to(in_ty), dst_ptr), mask=mask)
+    tl.store(dst + HALF, to_cache((x2 * cos + x1 * sin).to(in_ty), dst_ptr), mask=mask)
 
 
 @triton.jit
@@ -105,9 +109,8 @@ def _rope_store_kv_kernel(
         mask = (heads < num_kv_heads) & (cols < HALF)
         src = v_ptr + t * stride_vt + heads * stride_vh + cols
         dst = v_cache_ptr + row + heads * (2 * HALF) + cols
-        v_ty = v_cache_ptr.dtype.element_ty
-        tl.store(dst, tl.load(src, mask=mask).to(v_ty), mask=mask)
-        tl.store(dst + HALF, tl.load(src + HALF, mask=mask).to(v_ty), mask=mask)
+        tl.store(dst, to_cache(tl.load(src, mask=mask), v_cache_ptr), mask=mask)
+        tl.store(dst + HALF, to_cache(tl.load(src + HALF, mask=mask), v_cache_ptr), mask=mask)
 
 
 def apply_rotary(

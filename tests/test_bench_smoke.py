@@ -36,6 +36,9 @@ def test_model_cost_counts_the_weights_a_decode_step_reads(tmp_path, name):
     # the input embedding is a row gather; only a tied lm_head reads that matrix in full
     assert cost.step_weight_bytes == 2 * (param_count(spec) - (0 if spec.tie_word_embeddings else embed))
     assert cost.kv_bytes_per_token == spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * 2
+    fp8_kv = model_cost(tmp_path / name, dtype_bytes=2, kv_dtype_bytes=1)  # kv_cache_dtype="fp8"
+    assert fp8_kv.kv_bytes_per_token == spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim
+    assert fp8_kv.step_weight_bytes == cost.step_weight_bytes
 
 
 @pytest.mark.slow

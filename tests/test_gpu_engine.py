@@ -26,9 +26,11 @@ def run(engine: LLMEngine, prompts, params) -> list[list[int]]:
     return [got[i] for i in ids]
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 @pytest.mark.parametrize("enforce_eager", [True, False])
-def test_gpu_greedy_matches_naive_recompute(tiny_model_dir, enforce_eager):
-    """fp32 on the GPU: the paged Triton path (graphs or eager) against a cache-free recompute on CPU."""
+def test_gpu_greedy_matches_naive_recompute(tiny_model_dir, enforce_eager, kv_cache_dtype):
+    """fp32 on the GPU: the paged Triton path (graphs or eager) against a cache-free recompute on CPU;
+    with an fp8 cache, against a recompute that rounds K and V to fp8 the same way."""
     rng = random.Random(0)
     prompts = [[rng.randrange(1500) for _ in range(rng.randint(1, 300))] for _ in range(24)]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
@@ -41,11 +43,13 @@ def test_gpu_greedy_matches_naive_recompute(tiny_model_dir, enforce_eager):
             max_num_batched_tokens=256,
             block_size=16,
             num_blocks=200,
+            kv_cache_dtype=kv_cache_dtype,
         )
     )
     assert (engine.runner.graphs is None) == enforce_eager
     got = run(engine, prompts, params)
-    ref = NaiveGenerator(tiny_model_dir, dtype=torch.float64)
+    fp8 = kv_cache_dtype == "fp8"
+    ref = NaiveGenerator(tiny_model_dir, dtype=torch.float64, kv_dtype=torch.float8_e4m3fn if fp8 else None)
     mismatches = sum(g != ref.greedy(p, 16) for g, p in zip(got, prompts))
     assert mismatches <= 1, f"{mismatches} of {len(prompts)} sequences differ from the fp64 reference"
 

@@ -6,7 +6,8 @@ Two ways to run the same checks:
     imported; if something imported it earlier, test_interpreter_subprocess reruns them in a fresh process;
   * GPU (marker `gpu`): compiled kernels on CUDA tensors, bigger shapes, bf16 and fp32.
 Outputs are poisoned with NaN before each call (kernels write into `out=`), and KV-cache slots that
-no sequence owns hold NaN, so a missed store or a stray read shows up as a NaN mismatch.
+no sequence owns hold NaN, so a missed store or a stray read shows up as a NaN mismatch (the shared
+pieces are in tests/kernel_helpers.py; the fp8 KV cache's cases in tests/test_kernels_fp8_kv.py).
 
 test_hopper_compile (no GPU needed) runs `benchmarks/kernel_bench.py --compile-only` in a subprocess
 (the interpreter flag is fixed per process): every kernel is built for Hopper (sm_90) through its real
@@ -15,15 +16,13 @@ launcher with a stand-in driver, and must fit shared memory and use 16-byte glob
 
 from __future__ import annotations
 
-from tests.kernel_env import CUDA_OK, INTERPRET, interpreter_usable  # first: it chooses TRITON_INTERPRET
+from tests.kernel_env import CUDA_OK, INTERPRET  # first: it chooses TRITON_INTERPRET
 
 # isort: split
 import importlib
-import math
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -33,6 +32,18 @@ pytest.importorskip("triton")
 
 from engine.attention_context import AttentionMetadata, attention_context  # noqa: E402
 from kernels import arrivals, ops, torch_ops  # noqa: E402
+from tests.kernel_helpers import (  # noqa: E402
+    ENVS,
+    INTERP_OK,
+    Env,
+    close,
+    fused_qkv,
+    nan_like,
+    paged_batch,
+    poisoned_empty,
+    rand,
+    use_env,
+)
 
 pytestmark = [
     pytest.mark.kernels,
@@ -44,52 +55,11 @@ K = {
     for name in ("triton_act", "triton_norm", "triton_rope", "triton_kv", "triton_decode_attention",
                  "triton_prefill_attention")
 }  # fmt: skip
-INTERP_OK = interpreter_usable()
-INTERP_SKIP = (
-    "needs TRITON_INTERPRET=1 set before triton is first imported (else test_interpreter_subprocess)"
-)
-
-
-@dataclass(frozen=True)
-class Env:
-    device: str
-    dtype: torch.dtype
-    atol: float
-    rtol: float
-
-    @property
-    def big(self) -> bool:
-        return self.device == "cuda"
-
-
-ENVS = [
-    pytest.param(Env("cpu", torch.float32, 3e-5, 1e-5), id="interp",
-                 marks=pytest.mark.skipif(not INTERP_OK, reason=INTERP_SKIP)),
-    pytest.param(Env("cuda", torch.bfloat16, 2e-2, 2e-2), id="gpu-bf16",
-                 marks=[pytest.mark.gpu, pytest.mark.skipif(not CUDA_OK, reason="needs CUDA")]),
-    pytest.param(Env("cuda", torch.float32, 1e-4, 1e-4), id="gpu-fp32",
-                 marks=[pytest.mark.gpu, pytest.mark.skipif(not CUDA_OK, reason="needs CUDA")]),
-]  # fmt: skip
 
 
 @pytest.fixture(params=ENVS)
 def env(request, monkeypatch) -> Env:
-    if request.param.device == "cuda":  # fp32 twins must not silently drop to TF32 matmuls
-        monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    return request.param
-
-
-def _rand(env: Env, *shape: int, seed: int = 0, scale: float = 1.0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(*shape, generator=g) * scale).to(env.dtype).to(env.device)
-
-
-def _nan(like: torch.Tensor) -> torch.Tensor:
-    return torch.full_like(like, float("nan"))
-
-
-def _close(actual: torch.Tensor, expected: torch.Tensor, env: Env, scale: float = 1.0) -> None:
-    torch.testing.assert_close(actual, expected, atol=env.atol * scale, rtol=env.rtol)
+    return use_env(request.param, monkeypatch)
 
 
 # ----------------------------------------------------------------------------------------- elementwise
@@ -99,14 +69,16 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, env: Env, scale: float 
 @pytest.mark.parametrize("offset", [0.0, 1.0])
 def test_rms_norm_and_fused_add(env: Env, tokens: int, offset: float) -> None:
     hidden = 4096 if env.big else 200  # 200: not a power of two, so the row mask matters
-    x, res = _rand(env, tokens, hidden, seed=1), _rand(env, tokens, hidden, seed=2)
-    w = _rand(env, hidden, seed=3)
-    out = K["triton_norm"].rms_norm(x, w, 1e-6, offset, out=_nan(x))
-    _close(out, torch_ops.rms_norm(x, w, 1e-6, offset), env, 4)
-    normed, summed = K["triton_norm"].add_rms_norm(x, res, w, 1e-6, offset, out=_nan(x), residual_out=_nan(x))
+    x, res = rand(env, tokens, hidden, seed=1), rand(env, tokens, hidden, seed=2)
+    w = rand(env, hidden, seed=3)
+    out = K["triton_norm"].rms_norm(x, w, 1e-6, offset, out=nan_like(x))
+    close(out, torch_ops.rms_norm(x, w, 1e-6, offset), env, 4)
+    normed, summed = K["triton_norm"].add_rms_norm(
+        x, res, w, 1e-6, offset, out=nan_like(x), residual_out=nan_like(x)
+    )
     ref_normed, ref_summed = torch_ops.add_rms_norm(x, res, w, 1e-6, offset)
-    _close(summed, ref_summed, env)
-    _close(normed, ref_normed, env, 4)
+    close(summed, ref_summed, env)
+    close(normed, ref_normed, env, 4)
 
 
 @pytest.mark.parametrize("tokens", [1, 7, 33])
@@ -115,70 +87,29 @@ def test_rotary_strided_qkv(env: Env, tokens: int, head_dim: int, q_heads: int, 
     if env.big:
         q_heads, kv_heads = q_heads * 4, kv_heads * 4
     # q and k are views into one fused qkv projection, as the attention layer produces them.
-    qkv = _rand(env, tokens, (q_heads + 2 * kv_heads) * head_dim, seed=4)
+    qkv = rand(env, tokens, (q_heads + 2 * kv_heads) * head_dim, seed=4)
     q = qkv[:, : q_heads * head_dim].view(tokens, q_heads, head_dim)
     k = qkv[:, q_heads * head_dim : (q_heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
     max_pos = 4096 if env.big else 64
     g = torch.Generator().manual_seed(5)
     positions = torch.randint(0, max_pos, (tokens,), generator=g).to(env.device)
-    cos_sin = _rand(env, max_pos, head_dim, seed=6).float()
-    q_out, k_out = K["triton_rope"].apply_rotary(q, k, positions, cos_sin, _nan(q), _nan(k))
+    cos_sin = rand(env, max_pos, head_dim, seed=6).float()
+    q_out, k_out = K["triton_rope"].apply_rotary(q, k, positions, cos_sin, nan_like(q), nan_like(k))
     q_ref, k_ref = torch_ops.apply_rotary(q, k, positions, cos_sin)
-    _close(q_out, q_ref, env, 4)
-    _close(k_out, k_ref, env, 4)
+    close(q_out, q_ref, env, 4)
+    close(k_out, k_ref, env, 4)
 
 
 @pytest.mark.parametrize("tokens", [1, 7, 33])
 @pytest.mark.parametrize("kind", ["silu_and_mul", "gelu_tanh_and_mul"])
 def test_gated_activation(env: Env, tokens: int, kind: str) -> None:
     inter = 14336 if env.big else 1500  # 1500 > BLOCK and not a multiple of it
-    x = _rand(env, tokens, 2 * inter, seed=7, scale=3.0)
-    out = getattr(K["triton_act"], kind)(x, out=_nan(x[:, :inter]))
-    _close(out, getattr(torch_ops, kind)(x), env, 10)
+    x = rand(env, tokens, 2 * inter, seed=7, scale=3.0)
+    out = getattr(K["triton_act"], kind)(x, out=nan_like(x[:, :inter]))
+    close(out, getattr(torch_ops, kind)(x), env, 10)
 
 
 # ----------------------------------------------------------------------------------------- KV cache
-
-
-def _paged_batch(env: Env, ctx_lens, q_lens, page: int, kv_heads: int, head_dim: int, seed: int = 0):
-    """Random paged caches for len(q_lens) sequences with shuffled block tables (-1 padded, one spare
-    column); slots no sequence owns hold NaN. Returns (meta, k_cache, v_cache); meta.slot_mapping holds
-    the slots of the q_lens new tokens."""
-    g = torch.Generator().manual_seed(seed)
-    seq_lens = [c + q for c, q in zip(ctx_lens, q_lens)]
-    needed = [math.ceil(s / page) for s in seq_lens]
-    num_blocks = sum(needed) + 3
-    order = torch.randperm(num_blocks, generator=g)
-    tables = torch.full((len(seq_lens), max(needed) + 1), -1, dtype=torch.int32)
-    used = 0
-    for b, n in enumerate(needed):
-        tables[b, :n] = order[used : used + n].to(torch.int32)
-        used += n
-    # slot of position p of sequence b: table[b, p // page] * page + p % page
-    slots = [[int(tables[b, p // page]) * page + p % page for p in range(s)] for b, s in enumerate(seq_lens)]
-    owned = torch.tensor([x for row in slots for x in row], dtype=torch.long)
-    caches = []
-    for i in range(2):
-        cache = torch.full((num_blocks, page, kv_heads, head_dim), float("nan"), dtype=env.dtype)
-        values = _rand(env, len(owned), kv_heads, head_dim, seed=seed + i).cpu()
-        cache.view(-1, kv_heads, head_dim)[owned] = values
-        caches.append(cache.to(env.device))
-    new_slots = torch.tensor([x for c, row in zip(ctx_lens, slots) for x in row[c:]], dtype=torch.long)
-    cu = [0]
-    for q in q_lens:
-        cu.append(cu[-1] + q)
-    meta = AttentionMetadata(
-        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=env.device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=env.device),
-        slot_mapping=new_slots.to(env.device),
-        block_tables=tables.to(env.device),
-        query_lens_cpu=list(q_lens),
-        seq_lens_cpu=seq_lens,
-        max_seqlen_q=max(q_lens),
-        max_seqlen_k=max(seq_lens),
-        block_size=page,
-    )
-    return meta, caches[0], caches[1]
 
 
 @pytest.mark.parametrize("tokens,page,head_dim", [(1, 16, 64), (7, 32, 128), (33, 16, 128)])
@@ -189,30 +120,13 @@ def test_store_kv_skips_padding_slots(env: Env, tokens: int, page: int, head_dim
     slots = torch.randperm(k_cache.shape[0] * page, generator=torch.Generator().manual_seed(8))[:tokens]
     slots[::3] = -1  # CUDA-graph padding rows store nothing
     slots = slots.to(env.device)
-    kv = _rand(env, tokens, 2 * kv_heads, head_dim, seed=9)
+    kv = rand(env, tokens, 2 * kv_heads, head_dim, seed=9)
     k, v = kv[:, :kv_heads], kv[:, kv_heads:]  # strided views, as split from a fused projection
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
     torch_ops.store_kv(k, v, ref_k, ref_v, slots)
     K["triton_kv"].store_kv(k, v, k_cache, v_cache, slots)
     torch.testing.assert_close(k_cache, ref_k, atol=0, rtol=0, equal_nan=True)
     torch.testing.assert_close(v_cache, ref_v, atol=0, rtol=0, equal_nan=True)
-
-
-def _fused_qkv(env: Env, tokens: int, q_heads: int, kv_heads: int, head_dim: int, seed: int):
-    """q, k, v as strided views of one fused qkv projection [T, (Hq + 2 Hk) * D], as the layer splits it."""
-    qkv = _rand(env, tokens, q_heads + 2 * kv_heads, head_dim, seed=seed)
-    return qkv[:, :q_heads], qkv[:, q_heads : q_heads + kv_heads], qkv[:, q_heads + kv_heads :]
-
-
-def _poisoned_empty(monkeypatch) -> None:
-    """torch.empty hands out NaN-filled float tensors, so an output element the kernel misses shows up."""
-    real = torch.empty
-
-    def empty(*args, **kwargs):
-        out = real(*args, **kwargs)
-        return out.fill_(float("nan")) if out.is_floating_point() else out
-
-    monkeypatch.setattr(torch, "empty", empty)
 
 
 @pytest.mark.parametrize("tokens", [1, 7, 33])
@@ -223,11 +137,11 @@ def test_rope_store_kv_matches_twin(
 ) -> None:
     if env.big:
         q_heads, kv_heads = q_heads * 4, kv_heads * 4
-    q, k, v = _fused_qkv(env, tokens, q_heads, kv_heads, head_dim, seed=60)
+    q, k, v = fused_qkv(env, tokens, q_heads, kv_heads, head_dim, seed=60)
     max_pos, page = (4096, 16) if env.big else (64, 16)
     g = torch.Generator().manual_seed(61)
     positions = torch.randint(0, max_pos, (tokens,), generator=g).to(env.device)
-    cos_sin = _rand(env, max_pos, head_dim, seed=62).float()
+    cos_sin = rand(env, max_pos, head_dim, seed=62).float()
     k_cache = torch.full((tokens + 2, page, kv_heads, head_dim), float("nan"), dtype=env.dtype)
     k_cache, v_cache = k_cache.to(env.device), k_cache.clone().to(env.device)
     slots = torch.randperm(k_cache.shape[0] * page, generator=g)[:tokens]
@@ -235,19 +149,19 @@ def test_rope_store_kv_matches_twin(
     slots = slots.to(env.device)
     norm = {}
     if norm_offset is not None:  # Gemma-style offset 1 with weights near 0, Qwen3-style offset 0 near 1
-        w_q, w_k = _rand(env, head_dim, seed=63, scale=0.5), _rand(env, head_dim, seed=64, scale=0.5)
+        w_q, w_k = rand(env, head_dim, seed=63, scale=0.5), rand(env, head_dim, seed=64, scale=0.5)
         norm = dict(q_norm_weight=w_q + 1 - norm_offset, k_norm_weight=w_k + 1 - norm_offset,
                     norm_eps=1e-6, norm_offset=norm_offset)  # fmt: skip
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
     q_ref = torch_ops.rope_store_kv(q, k, v, positions, cos_sin, ref_k, ref_v, slots, **norm)
     qkv_before = q.clone(), k.clone(), v.clone()
     with monkeypatch.context() as m:
-        _poisoned_empty(m)
+        poisoned_empty(m)
         q_out = K["triton_rope"].rope_store_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slots, **norm)
     assert q_out.is_contiguous() and q_out.shape == q.shape and q_out.dtype == q.dtype
-    _close(q_out, q_ref, env, 4)
+    close(q_out, q_ref, env, 4)
     written = slots[slots >= 0]
-    _close(k_cache.view(-1, kv_heads, head_dim)[written], ref_k.view(-1, kv_heads, head_dim)[written], env, 4)
+    close(k_cache.view(-1, kv_heads, head_dim)[written], ref_k.view(-1, kv_heads, head_dim)[written], env, 4)
     torch.testing.assert_close(v_cache, ref_v, atol=0, rtol=0, equal_nan=True)  # v is copied exactly
     assert k_cache.isnan().sum() == ref_k.isnan().sum()  # every other slot is still NaN
     for before, after in zip(qkv_before, (q, k, v)):  # the inputs are read only
@@ -256,7 +170,7 @@ def test_rope_store_kv_matches_twin(
 
 def test_rope_store_kv_rejects_bad_arguments() -> None:
     env = Env("cpu", torch.float32, 0, 0)
-    q, k, v = _fused_qkv(env, 3, 4, 2, 64, seed=65)
+    q, k, v = fused_qkv(env, 3, 4, 2, 64, seed=65)
     pos, slots, cos_sin = torch.arange(3), torch.arange(3), torch.zeros(8, 64)
     cache = torch.zeros(2, 16, 2, 64)
     fn = K["triton_rope"].rope_store_kv
@@ -295,31 +209,33 @@ def test_decode_attention(env: Env, case, monkeypatch) -> None:
         kv_heads, seq_lens = kv_heads * 4, seq_lens + [777, 2053]
     dec = K["triton_decode_attention"]
     real_alloc = dec._alloc_partials
-    monkeypatch.setattr(dec, "_alloc_partials", lambda *a: tuple(_nan(t) for t in real_alloc(*a)))
+    monkeypatch.setattr(dec, "_alloc_partials", lambda *a: tuple(nan_like(t) for t in real_alloc(*a)))
     if not env.big:  # short rows: 16-key tiles, so a row spans several non-empty splits to merge,
-        monkeypatch.setattr(dec, "decode_config", lambda head_dim: (16, 4, 2))
+        monkeypatch.setattr(dec, "decode_config", lambda *_: (16, 4, 2))
         monkeypatch.setattr(dec, "MERGE_TILE", 256)  # which the last split merges a few at a time
-    meta, k_cache, v_cache = _paged_batch(env, [s - 1 for s in seq_lens], [1] * len(seq_lens), page,
+    meta, k_cache, v_cache = paged_batch(env, [s - 1 for s in seq_lens], [1] * len(seq_lens), page,
                                           kv_heads, head_dim)  # fmt: skip
-    q = _rand(env, len(seq_lens), group * kv_heads, head_dim, seed=11)
+    q = rand(env, len(seq_lens), group * kv_heads, head_dim, seed=11)
     scale = head_dim**-0.5
     k_new = q[:, :kv_heads]  # the twin reads keys from the cache; k only fixes the head count
     ref = torch_ops.attention(q, k_new, k_new, k_cache, v_cache, meta, scale, window, softcap)
     out = dec.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, window,
-                               softcap, num_splits=splits, out=_nan(q))  # fmt: skip
-    _close(out, ref, env)
+                               softcap, num_splits=splits, out=nan_like(q))  # fmt: skip
+    close(out, ref, env)
     assert not arrivals._BUFFERS[q.device][-1].any()  # every merging split reset its arrival counter
 
 
 def test_decode_padding_rows_read_nothing(env: Env) -> None:
     """A CUDA-graph padding row (seq_len 0, table all -1) yields zeros; real rows are unaffected."""
-    meta, k_cache, v_cache = _paged_batch(env, [20, 40], [1, 1], 16, 2, 64, seed=16)
+    meta, k_cache, v_cache = paged_batch(env, [20, 40], [1, 1], 16, 2, 64, seed=16)
     tables = torch.cat([meta.block_tables, torch.full_like(meta.block_tables[:1], -1)])
     lens = torch.cat([meta.seq_lens, torch.zeros_like(meta.seq_lens[:1])])
-    q = _rand(env, 3, 8, 64, seed=17)
-    out = K["triton_decode_attention"].decode_attention(q, k_cache, v_cache, tables, lens, 0.125, out=_nan(q))
-    _close(out[2], torch.zeros_like(out[2]), env)
-    _close(out[:2], torch_ops.attention(q[:2], q[:2, :2], None, k_cache, v_cache, meta, 0.125), env)
+    q = rand(env, 3, 8, 64, seed=17)
+    out = K["triton_decode_attention"].decode_attention(
+        q, k_cache, v_cache, tables, lens, 0.125, out=nan_like(q)
+    )
+    close(out[2], torch.zeros_like(out[2]), env)
+    close(out[:2], torch_ops.attention(q[:2], q[:2, :2], None, k_cache, v_cache, meta, 0.125), env)
 
 
 # (group, kv_heads, head_dim, page or None = cache-free, window, softcap, ctx_lens, q_lens, tiles)
@@ -338,24 +254,24 @@ def test_prefill_attention(env: Env, case) -> None:
     if env.big:
         ctx_lens, q_lens = ctx_lens + [0 if page is None else 1000, 0], q_lens + [300, 129]
     scale = head_dim**-0.5
-    q = _rand(env, sum(q_lens), group * kv_heads, head_dim, seed=12)
+    q = rand(env, sum(q_lens), group * kv_heads, head_dim, seed=12)
     bm, bn = tiles or (None, None)
     pre = K["triton_prefill_attention"]
     if page is None:
         meta = AttentionMetadata.for_full_sequences(q_lens, env.device)
-        k = _rand(env, sum(q_lens), kv_heads, head_dim, seed=13)
-        v = _rand(env, sum(q_lens), kv_heads, head_dim, seed=14)
+        k = rand(env, sum(q_lens), kv_heads, head_dim, seed=13)
+        v = rand(env, sum(q_lens), kv_heads, head_dim, seed=14)
         out = pre.prefill_attention(q, k, v, meta.cu_seqlens_q, meta.seq_lens, meta.max_seqlen_q, scale,
-                                    None, window, softcap, bm, bn, out=_nan(q))  # fmt: skip
+                                    None, window, softcap, bm, bn, out=nan_like(q))  # fmt: skip
         ref = torch_ops.attention(q, k, v, None, None, meta, scale, window, softcap)
     else:
-        meta, k_cache, v_cache = _paged_batch(env, ctx_lens, q_lens, page, kv_heads, head_dim, seed=15)
+        meta, k_cache, v_cache = paged_batch(env, ctx_lens, q_lens, page, kv_heads, head_dim, seed=15)
         out = pre.prefill_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens,
                                     meta.max_seqlen_q, scale, meta.block_tables, window, softcap, bm, bn,
-                                    out=_nan(q))  # fmt: skip
+                                    out=nan_like(q))  # fmt: skip
         k_new = q[:, :kv_heads]
         ref = torch_ops.attention(q, k_new, k_new, k_cache, v_cache, meta, scale, window, softcap)
-    _close(out, ref, env)
+    close(out, ref, env)
 
 
 def test_num_splits_fill_the_gpu_from_shapes_only() -> None:
@@ -373,9 +289,9 @@ def test_num_splits_fill_the_gpu_from_shapes_only() -> None:
 
 def _dispatch_inputs(device: str, dtype: torch.dtype):
     env = Env(device, dtype, 0, 0)
-    x, w = _rand(env, 5, 96, seed=20), _rand(env, 96, seed=21)
-    q, k = _rand(env, 5, 4, 64, seed=22), _rand(env, 5, 2, 64, seed=23)
-    cos_sin = _rand(env, 16, 64, seed=24).float()
+    x, w = rand(env, 5, 96, seed=20), rand(env, 96, seed=21)
+    q, k = rand(env, 5, 4, 64, seed=22), rand(env, 5, 2, 64, seed=23)
+    cos_sin = rand(env, 16, 64, seed=24).float()
     positions = torch.tensor([0, 3, 15, 2, 9], device=device)
     return env, x, w, q, k, cos_sin, positions
 
@@ -415,41 +331,41 @@ def test_dispatch_attention_routes_decode_and_prefill(env: Env, monkeypatch) -> 
     calls = _route(env, monkeypatch)
     scale = 0.125
     for q_lens, ctx in [([1, 1, 1], [0, 16, 40]), ([1, 9, 3], [4, 0, 20])]:
-        meta, k_cache, v_cache = _paged_batch(env, ctx, q_lens, 16, 2, 64, seed=30)
-        q = _rand(env, sum(q_lens), 8, 64, seed=31)
+        meta, k_cache, v_cache = paged_batch(env, ctx, q_lens, 16, 2, 64, seed=30)
+        q = rand(env, sum(q_lens), 8, 64, seed=31)
         k_new = q[:, :2]
         got = ops.attention(q, k_new, k_new, k_cache, v_cache, meta, scale)
-        _close(got, torch_ops.attention(q, k_new, k_new, k_cache, v_cache, meta, scale), env)
+        close(got, torch_ops.attention(q, k_new, k_new, k_cache, v_cache, meta, scale), env)
     meta = AttentionMetadata.for_full_sequences([1], env.device)  # one token, but no cache: prefill kernel
-    q, k = _rand(env, 1, 8, 64, seed=32), _rand(env, 1, 2, 64, seed=33)
+    q, k = rand(env, 1, 8, 64, seed=32), rand(env, 1, 2, 64, seed=33)
     want = torch_ops.attention(q, k, k, None, None, meta, scale)
-    _close(ops.attention(q, k, k, None, None, meta, scale), want, env)
+    close(ops.attention(q, k, k, None, None, meta, scale), want, env)
     assert calls == ["decode_attention", "prefill_attention", "prefill_attention"]
 
 
 def test_dispatch_store_kv_and_norm_use_triton(env: Env, monkeypatch) -> None:
     calls = _route(env, monkeypatch)
-    meta, k_cache, v_cache = _paged_batch(env, [3, 0], [2, 5], 16, 2, 64, seed=40)
-    k, v = _rand(env, 7, 2, 64, seed=41), _rand(env, 7, 2, 64, seed=42)
+    meta, k_cache, v_cache = paged_batch(env, [3, 0], [2, 5], 16, 2, 64, seed=40)
+    k, v = rand(env, 7, 2, 64, seed=41), rand(env, 7, 2, 64, seed=42)
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
     ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     torch_ops.store_kv(k, v, ref_k, ref_v, meta.slot_mapping)
     torch.testing.assert_close(k_cache, ref_k, atol=0, rtol=0, equal_nan=True)
-    x, r, w = _rand(env, 3, 64, seed=43), _rand(env, 3, 64, seed=44), _rand(env, 64, seed=45)
+    x, r, w = rand(env, 3, 64, seed=43), rand(env, 3, 64, seed=44), rand(env, 64, seed=45)
     for got, want in zip(ops.add_rms_norm(x, r, w, 1e-6, 1.0), torch_ops.add_rms_norm(x, r, w, 1e-6, 1.0)):
-        _close(got, want, env, 4)
+        close(got, want, env, 4)
     assert calls == ["store_kv", "add_rms_norm"]
 
 
 def _rope_store_kv_inputs(env: Env, norm: bool):
-    meta, k_cache, v_cache = _paged_batch(env, [3, 0], [2, 5], 16, 2, 64, seed=46)
-    q, k, v = _fused_qkv(env, 7, 6, 2, 64, seed=47)
+    meta, k_cache, v_cache = paged_batch(env, [3, 0], [2, 5], 16, 2, 64, seed=46)
+    q, k, v = fused_qkv(env, 7, 6, 2, 64, seed=47)
     positions = torch.tensor([3, 4, 0, 1, 2, 3, 4], device=env.device)
     kwargs = {}
     if norm:
-        w = _rand(env, 2, 64, seed=48, scale=0.5)
+        w = rand(env, 2, 64, seed=48, scale=0.5)
         kwargs = dict(q_norm_weight=w[0], k_norm_weight=w[1], norm_eps=1e-6, norm_offset=1.0)
-    cos_sin = _rand(env, 16, 64, seed=49).float()
+    cos_sin = rand(env, 16, 64, seed=49).float()
     return (q, k, v, positions, cos_sin, k_cache, v_cache, meta.slot_mapping), kwargs
 
 
@@ -471,7 +387,7 @@ def test_dispatch_rope_store_kv_uses_triton(env: Env, monkeypatch, norm: bool) -
     (q, k, v, pos, cs, k_cache, v_cache, slots), kwargs = _rope_store_kv_inputs(env, norm)
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
     got = ops.rope_store_kv(q, k, v, pos, cs, k_cache, v_cache, slots, **kwargs)
-    _close(got, torch_ops.rope_store_kv(q, k, v, pos, cs, ref_k, ref_v, slots, **kwargs), env, 4)
+    close(got, torch_ops.rope_store_kv(q, k, v, pos, cs, ref_k, ref_v, slots, **kwargs), env, 4)
     torch.testing.assert_close(k_cache, ref_k, atol=4 * env.atol, rtol=env.rtol, equal_nan=True)
     torch.testing.assert_close(v_cache, ref_v, atol=0, rtol=0, equal_nan=True)
     assert calls == ["rope_store_kv"]
@@ -486,15 +402,15 @@ def test_attention_layer_fused_prologue_matches_cache_free(env: Env, monkeypatch
     attn = Attention(hidden, q_heads, kv_heads, head_dim, RotaryEmbedding(head_dim, 64, 10000.0), 0.125,
                      qk_norm_eps=1e-6, norm_offset=1.0)  # fmt: skip
     for i, param in enumerate(attn.parameters()):  # parameters are allocated empty: fill them
-        param.copy_(_rand(Env("cpu", torch.float32, 0, 0), *param.shape, seed=70 + i, scale=0.3))
+        param.copy_(rand(Env("cpu", torch.float32, 0, 0), *param.shape, seed=70 + i, scale=0.3))
     attn = attn.to(env.device, env.dtype)
     attn.rotary.cos_sin = attn.rotary.cos_sin.float()
-    x = _rand(env, sum(lens), hidden, seed=75)
+    x = rand(env, sum(lens), hidden, seed=75)
     positions = torch.tensor([p for n in lens for p in range(n)], device=env.device)
     with attention_context(AttentionMetadata.for_full_sequences(lens, env.device)):
         ref = attn(positions, x)
     calls = _route(env, monkeypatch)
-    meta, attn.k_cache, attn.v_cache = _paged_batch(env, [0, 0], lens, 16, kv_heads, head_dim, seed=76)
+    meta, attn.k_cache, attn.v_cache = paged_batch(env, [0, 0], lens, 16, kv_heads, head_dim, seed=76)
     i32 = dict(dtype=torch.int32, device=env.device)
     prefill, decode = [0, 1, 2, 3, 4, 6, 7, 8], [5, 9]  # rows of x: all but the last token, then the last
     steps = [
@@ -505,7 +421,7 @@ def test_attention_layer_fused_prologue_matches_cache_free(env: Env, monkeypatch
     ]  # fmt: skip
     for rows, step_meta in steps:
         with attention_context(step_meta):
-            _close(attn(positions[rows], x[rows]), ref[rows], env, 4)
+            close(attn(positions[rows], x[rows]), ref[rows], env, 4)
     assert calls == ["rope_store_kv", "prefill_attention", "rope_store_kv", "decode_attention"]
 
 
@@ -517,8 +433,8 @@ def test_attention_layer_fused_prologue_matches_cache_free(env: Env, monkeypatch
 def test_decode_attention_replays_in_a_cuda_graph() -> None:
     """Capture once, then change lengths and tables in place: the replay must follow the new data."""
     env = Env("cuda", torch.bfloat16, 2e-2, 2e-2)
-    meta, k_cache, v_cache = _paged_batch(env, [99, 500, 7], [1, 1, 1], 16, 8, 128, seed=50)
-    q = _rand(env, 3, 32, 128, seed=51)
+    meta, k_cache, v_cache = paged_batch(env, [99, 500, 7], [1, 1, 1], 16, 8, 128, seed=50)
+    q = rand(env, 3, 32, 128, seed=51)
     dec = K["triton_decode_attention"]
     call = lambda: dec.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, 0.088)
     call()  # warm-up compiles outside the capture
@@ -528,12 +444,12 @@ def test_decode_attention_replays_in_a_cuda_graph() -> None:
     # Swap the first two tables and shorten the lengths: every position read stays an owned slot.
     meta.block_tables.copy_(meta.block_tables[[1, 0, 2]].clone())
     meta.seq_lens.copy_(torch.tensor([400, 60, 8], dtype=torch.int32))
-    q.copy_(_rand(env, 3, 32, 128, seed=52))
+    q.copy_(rand(env, 3, 32, 128, seed=52))
     new_meta = AttentionMetadata(meta.cu_seqlens_q, meta.seq_lens, None, meta.block_tables, [1, 1, 1],
                                  [400, 60, 8], 1, 400, 16)  # fmt: skip
     graph.replay()
     k_new = q[:, :8]
-    _close(out, torch_ops.attention(q, k_new, k_new, k_cache, v_cache, new_meta, 0.088), env)
+    close(out, torch_ops.attention(q, k_new, k_new, k_cache, v_cache, new_meta, 0.088), env)
 
 
 @pytest.mark.gpu
@@ -544,8 +460,8 @@ def test_decode_split_merge_is_race_free() -> None:
     bit-identical to the first (the merge order is fixed, whichever split arrives last)."""
     env = Env("cuda", torch.bfloat16, 2e-2, 2e-2)
     lens = [int(x) for x in torch.randint(1, 3000, (24,), generator=torch.Generator().manual_seed(3))]
-    meta, k_cache, v_cache = _paged_batch(env, lens, [1] * 24, 16, 8, 128, seed=53)
-    q = _rand(env, 24, 32, 128, seed=54)
+    meta, k_cache, v_cache = paged_batch(env, lens, [1] * 24, 16, 8, 128, seed=53)
+    q = rand(env, 24, 32, 128, seed=54)
     dec = K["triton_decode_attention"]
     call = lambda: dec.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, 0.088,
                                         num_splits=48)  # fmt: skip
@@ -556,7 +472,7 @@ def test_decode_split_merge_is_race_free() -> None:
     graph.replay()
     first = out.clone()
     k_new = q[:, :8]
-    _close(first, torch_ops.attention(q, k_new, k_new, k_cache, v_cache, meta, 0.088), env)
+    close(first, torch_ops.attention(q, k_new, k_new, k_cache, v_cache, meta, 0.088), env)
     for _ in range(50):
         out.fill_(float("nan"))
         graph.replay()
