@@ -127,3 +127,29 @@ def poisoned_empty(monkeypatch) -> None:
         return out.fill_(float("nan")) if out.is_floating_point() else out
 
     monkeypatch.setattr(torch, "empty", empty)
+
+
+def check_decode_case(env: Env, case, monkeypatch, cache_dtype=None) -> None:
+    """Paged decode attention against its twin for one (group, kv_heads, head_dim, page, window, softcap,
+    seq_lens, num_splits) case over caches of env.dtype or cache_dtype; partial buffers start as NaN."""
+    from kernels import arrivals
+    from kernels import triton_decode_attention as dec
+
+    group, kv_heads, head_dim, page, window, softcap, seq_lens, splits = case
+    if env.big:
+        kv_heads, seq_lens = kv_heads * 4, seq_lens + [777, 2053]
+    real_alloc = dec._alloc_partials
+    monkeypatch.setattr(dec, "_alloc_partials", lambda *a: tuple(nan_like(t) for t in real_alloc(*a)))
+    if not env.big:  # short rows: 16-key tiles, so a row spans several non-empty splits to merge,
+        monkeypatch.setattr(dec, "decode_config", lambda *_: (16, 4, 2))
+        monkeypatch.setattr(dec, "MERGE_TILE", 256)  # which the last split merges a few at a time
+    meta, k_cache, v_cache = paged_batch(env, [s - 1 for s in seq_lens], [1] * len(seq_lens), page,
+                                         kv_heads, head_dim, cache_dtype=cache_dtype)  # fmt: skip
+    q = rand(env, len(seq_lens), group * kv_heads, head_dim, seed=11)
+    scale = head_dim**-0.5
+    k_new = q[:, :kv_heads]  # the twin reads keys from the cache; k only fixes the head count
+    ref = torch_ops.attention(q, k_new, k_new, k_cache, v_cache, meta, scale, window, softcap)
+    out = dec.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, window,
+                               softcap, num_splits=splits, out=nan_like(q))  # fmt: skip
+    close(out, ref, env)
+    assert not arrivals._BUFFERS[q.device][-1].any()  # every merging split reset its arrival counter

@@ -36,6 +36,7 @@ from tests.kernel_helpers import (  # noqa: E402
     ENVS,
     INTERP_OK,
     Env,
+    check_decode_case,
     close,
     fused_qkv,
     nan_like,
@@ -204,25 +205,7 @@ DECODE_CASES = [
 
 @pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"g{c[0]}-d{c[2]}-p{c[3]}-w{c[4]}-cap{c[5]}")
 def test_decode_attention(env: Env, case, monkeypatch) -> None:
-    group, kv_heads, head_dim, page, window, softcap, seq_lens, splits = case
-    if env.big:
-        kv_heads, seq_lens = kv_heads * 4, seq_lens + [777, 2053]
-    dec = K["triton_decode_attention"]
-    real_alloc = dec._alloc_partials
-    monkeypatch.setattr(dec, "_alloc_partials", lambda *a: tuple(nan_like(t) for t in real_alloc(*a)))
-    if not env.big:  # short rows: 16-key tiles, so a row spans several non-empty splits to merge,
-        monkeypatch.setattr(dec, "decode_config", lambda *_: (16, 4, 2))
-        monkeypatch.setattr(dec, "MERGE_TILE", 256)  # which the last split merges a few at a time
-    meta, k_cache, v_cache = paged_batch(env, [s - 1 for s in seq_lens], [1] * len(seq_lens), page,
-                                          kv_heads, head_dim)  # fmt: skip
-    q = rand(env, len(seq_lens), group * kv_heads, head_dim, seed=11)
-    scale = head_dim**-0.5
-    k_new = q[:, :kv_heads]  # the twin reads keys from the cache; k only fixes the head count
-    ref = torch_ops.attention(q, k_new, k_new, k_cache, v_cache, meta, scale, window, softcap)
-    out = dec.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, window,
-                               softcap, num_splits=splits, out=nan_like(q))  # fmt: skip
-    close(out, ref, env)
-    assert not arrivals._BUFFERS[q.device][-1].any()  # every merging split reset its arrival counter
+    check_decode_case(env, case, monkeypatch)
 
 
 def test_decode_padding_rows_read_nothing(env: Env) -> None:
@@ -485,7 +468,8 @@ def test_decode_split_merge_is_race_free() -> None:
 
 @pytest.mark.skipif(not INTERPRET or INTERP_OK, reason="the interpreter tests ran in this process")
 def test_interpreter_subprocess() -> None:
-    """triton was imported before TRITON_INTERPRET=1 was set: run the CPU checks in a fresh process."""
+    """triton was imported before TRITON_INTERPRET=1 was set: run the CPU checks (this module's and the fp8
+    KV cache's) in a fresh process."""
     root = Path(__file__).resolve().parents[1]
     envvars = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
     cmd = [
@@ -498,6 +482,7 @@ def test_interpreter_subprocess() -> None:
         "-k",
         "interp and not subprocess",
         __file__,
+        str(Path(__file__).with_name("test_kernels_fp8_kv.py")),
     ]
     proc = subprocess.run(cmd, cwd=root, env=envvars, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]

@@ -29,6 +29,7 @@ from tests.kernel_helpers import (  # noqa: E402
     INTERP_OK,
     INTERP_SKIP,
     Env,
+    check_decode_case,
     close,
     fused_qkv,
     nan_like,
@@ -144,21 +145,7 @@ DECODE_CASES = [
 @pytest.mark.parametrize("env", READER_ENVS, indirect=True)
 @pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"g{c[0]}-d{c[2]}-w{c[4]}-splits{c[7]}")
 def test_decode_attention_over_fp8_cache(env: Env, case, monkeypatch) -> None:
-    group, kv_heads, head_dim, page, window, softcap, seq_lens, splits = case
-    if env.big:
-        kv_heads, seq_lens = kv_heads * 4, seq_lens + [777, 2053]
-    dec = K["triton_decode_attention"]
-    if not env.big:  # short rows: 16-key tiles, so every split holds several tiles
-        monkeypatch.setattr(dec, "decode_config", lambda *_: (16, 4, 2))
-    meta, k_cache, v_cache = paged_batch(env, [s - 1 for s in seq_lens], [1] * len(seq_lens), page,
-                                         kv_heads, head_dim, cache_dtype=FP8)  # fmt: skip
-    q = rand(env, len(seq_lens), group * kv_heads, head_dim, seed=11)
-    scale = head_dim**-0.5
-    k_new = q[:, :kv_heads]  # the twin reads keys from the cache; k only fixes the head count
-    ref = torch_ops.attention(q, k_new, k_new, k_cache, v_cache, meta, scale, window, softcap)
-    out = dec.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, window,
-                               softcap, num_splits=splits, out=nan_like(q))  # fmt: skip
-    close(out, ref, env)
+    check_decode_case(env, case, monkeypatch, cache_dtype=FP8)
 
 
 @pytest.mark.parametrize("env", READER_ENVS, indirect=True)
