@@ -40,7 +40,8 @@ class CacheConfig:
     num_blocks: int | None = None  # override: exactly this many blocks (tests force preemption with it)
     # KV-cache element type. "auto": the model's dtype. "fp8": float8 e4m3 with a unit scale (values
     # clamped to +-448, 3 mantissa bits), half the bytes of bf16: twice the cached tokens, and half the
-    # KV traffic of a decode step. Attention upcasts to the model dtype as it loads (kernels/quant.py).
+    # KV traffic of a decode step. Writers clamp and round (kernels/triton_kv.to_cache); attention upcasts
+    # exactly as it loads (kernels/triton_attn_common.dot_dtype_for).
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:

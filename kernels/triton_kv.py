@@ -5,7 +5,7 @@ starts at element s * Hk * D. One program copies the Hk * D keys and values of o
 slot is -1 (CUDA-graph padding) stores nothing.
 
 An fp8 (e4m3) cache stores each value clamped to +-448 and rounded to nearest even, with a unit scale
-(torch_ops.to_cache_dtype); readers upcast it to the model dtype as they load.
+(torch_ops.to_cache_dtype); readers upcast it exactly as they load (triton_attn_common.dot_dtype_for).
 """
 
 from __future__ import annotations
