@@ -4,9 +4,9 @@
     python -m benchmarks.bench --smoke --suite all --out /tmp/bench-smoke    # CPU check, tiny models
 
 Suites (comma-separated, or `all`): a (batch-1 decode, Llama-3.1-8B and Llama-3.2-1B shapes),
-b (batch-64 decode at 1k context, 8B), b-fp8 (b with kv_cache_dtype="fp8": weights still bf16, the KV
-cache in float8 e4m3), c (nano-vllm offline workload, Qwen3-0.6B), hf-a / hf-c (transformers on a / c),
-eager (a with CUDA graphs off). The env job (hardware, versions, measured
+b (batch-64 decode at 1k context, 8B), c (nano-vllm offline workload, Qwen3-0.6B), b-fp8 / c-fp8 (b / c
+with kv_cache_dtype="fp8": weights still bf16, the KV cache in float8 e4m3), hf-a / hf-c (transformers
+on a / c), eager (a with CUDA graphs off). The env job (hardware, versions, measured
 copy bandwidth and matmul rate, from which the rooflines are computed) always runs first.
 Random-weight checkpoints are written once into --ckpt-dir and reused.
 
@@ -32,7 +32,7 @@ from pathlib import Path
 from benchmarks.common import Sizes, ckpt_path, environment, git_commit, model_name, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
-SUITES = ("a", "b", "b-fp8", "c", "hf-a", "hf-c", "eager")
+SUITES = ("a", "b", "b-fp8", "c", "c-fp8", "hf-a", "hf-c", "eager")
 L8, L1, Q = "llama-3.1-8b", "llama-3.2-1b", "qwen3-0.6b"
 
 
@@ -57,17 +57,13 @@ def plan(suites: set[str], smoke: bool) -> list[Job]:
         Job(f"engine-{Q}", "engine", Q, ["c"] if "c" in suites else [], cap_s=360),
         Job(f"hf-{L1}", "hf", L1, ["a"] if "hf-a" in suites else [], cap_s=120),
         Job(f"hf-{Q}", "hf", Q, ["c"] if "hf-c" in suites else [], cap_s=200),
-        Job(
-            f"engine-fp8kv-{L8}",
-            "engine",
-            L8,
-            ["b"] if "b-fp8" in suites else [],
-            kv_cache_dtype="fp8",
-            cap_s=240,
-        ),
+        Job(f"engine-fp8kv-{L8}", "engine", L8, ["b"] if "b-fp8" in suites else [], kv_cache_dtype="fp8",
+            cap_s=240),
+        Job(f"engine-fp8kv-{Q}", "engine", Q, ["c"] if "c-fp8" in suites else [], kv_cache_dtype="fp8",
+            cap_s=300),
         Job(f"engine-eager-{L8}", "engine", L8, ["a"] if "eager" in suites else [], eager=True, cap_s=200),
         Job(f"engine-eager-{L1}", "engine", L1, ["a"] if "eager" in suites else [], eager=True, cap_s=120),
-    ]
+    ]  # fmt: skip
     jobs = [j for j in wanted if j.figures or j.kind == "env"]  # env always: its ceilings make the rooflines
     out, made = [], set()
     for job in jobs:

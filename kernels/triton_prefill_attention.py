@@ -89,8 +89,13 @@ def _prefill_kernel(
     tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
-def prefill_config(head_dim: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages), fixed per head_dim (no autotune)."""
+def prefill_config(head_dim: int, fp8_cache: bool = False) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages), fixed per head_dim and cache type (no autotune).
+
+    An fp8 cache takes 64-row tiles on 4 warps: a 512-token chunk after 1,536 cached tokens (8 sequences,
+    16 / 8 heads, H200) ran 306 us against 474 with the bf16 config (bf16 cache: 337)."""
+    if fp8_cache and head_dim <= 128:
+        return 64, 64, 4, 2
     if head_dim <= 64:
         return 128, 64, 4, 3
     if head_dim <= 128:
@@ -130,7 +135,7 @@ def prefill_attention(
     batch = cu_seqlens_q.shape[0] - 1
     if num_tokens == 0 or batch == 0:
         return out
-    bm, bn, num_warps, num_stages = prefill_config(head_dim)
+    bm, bn, num_warps, num_stages = prefill_config(head_dim, k.dtype == torch.float8_e4m3fn)
     bm, bn = block_m or bm, block_n or bn
     paged = block_tables is not None
     if paged:
