@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import torch_ops
 from kernels.arrivals import arrival_counters, arrive_last
 from kernels.pdl import enabled as pdl_enabled
 from kernels.pdl import wait_for_inputs
@@ -219,7 +220,7 @@ def decode_attention(
     if batch == 0:
         return out
     group = num_q_heads // num_kv_heads
-    block_n, num_warps, num_stages = decode_config(head_dim, k_cache.dtype == torch.float8_e4m3fn)
+    block_n, num_warps, num_stages = decode_config(head_dim, k_cache.dtype == torch_ops.FP8_DTYPE)
     if num_splits is None:
         num_splits = choose_num_splits(
             batch, num_kv_heads, block_tables.shape[1], page, block_n, _sm_count(q.device), sliding_window

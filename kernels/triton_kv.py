@@ -14,7 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
-FP8_MAX = tl.constexpr(448.0)  # largest finite float8 e4m3 (torch.float8_e4m3fn) value
+from kernels import torch_ops
+
+FP8_MAX = tl.constexpr(torch_ops.FP8_MAX)  # the same clamp as the twin's
 
 
 @triton.jit

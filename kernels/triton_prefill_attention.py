@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import torch_ops
 from kernels.triton_attn_common import dot_dtype_for, load_paged_rows, online_softmax_step, scores_log2
 
 
@@ -135,7 +136,7 @@ def prefill_attention(
     batch = cu_seqlens_q.shape[0] - 1
     if num_tokens == 0 or batch == 0:
         return out
-    bm, bn, num_warps, num_stages = prefill_config(head_dim, k.dtype == torch.float8_e4m3fn)
+    bm, bn, num_warps, num_stages = prefill_config(head_dim, k.dtype == torch_ops.FP8_DTYPE)
     bm, bn = block_m or bm, block_n or bn
     paged = block_tables is not None
     if paged:
