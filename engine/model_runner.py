@@ -17,7 +17,7 @@ from engine.loader import load_model
 from engine.model_config import ModelConfig
 from engine.models.layers import Attention
 from engine.request import Sequence
-from engine.sampler import PendingSample, Sampler, SamplingRow
+from engine.sampler import PendingSample, Sampler, SamplingRow, stream_key
 from engine.scheduler import SchedulerOutput
 from engine.step_inputs import StepBatch, build_batch, pack, unpack
 from engine.uploader import Uploader
@@ -66,7 +66,8 @@ class ModelRunner:
             layer.k_cache, layer.v_cache = k_cache, v_cache
         self.sampler = Sampler(self.model_config.vocab_size, self.device)
         self.upload = Uploader(self.device)
-        self.generators: dict[int, torch.Generator] = {}
+        # unseeded sequences draw from stream (base, seq_id); the base follows load.seed (set above)
+        self.unseeded_base = int(torch.randint(0, 2**62, (1,)).item())
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not config.load.enforce_eager:
             self.graphs = DecodeGraphs(
@@ -95,7 +96,8 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden)
         if batch.sample_rows != list(range(len(batch.logit_rows))):  # n > 1 siblings share a row
             logits = logits.index_select(0, self.upload.values("sample_rows", batch.sample_rows, torch.long))
-        return self.sampler(logits, [self._sampling_row(s) for s in batch.samplers])
+        rows = [self._sampling_row(s, p) for s, p in zip(batch.samplers, batch.draw_positions, strict=True)]
+        return self.sampler(logits, rows)
 
     def _fed_back(self, out: SchedulerOutput, prev: PendingSample | None) -> torch.Tensor | None:
         """The input ids of a step scheduled ahead: rows of the previous step's samples, on the device."""
@@ -111,7 +113,9 @@ class ModelRunner:
         n = len(batch.seq_lens)
         if self.graphs is not None and batch.is_decode and self.graphs.bucket(n) is not None:
             return self.graphs.run(batch, self.upload, fed_back)
-        width = max(len(t) for t in batch.block_tables)
+        # a multiple of 16: the table's row stride is a kernel argument, and Triton compiles a variant
+        # for strides divisible by 16 and one for the rest (see engine/step_inputs.py)
+        width = -(-max(len(t) for t in batch.block_tables) // 16) * 16
         i64, i32 = pack(batch, n, width)
         i64, i32 = self.upload("i64", i64), self.upload("i32", i32)
         input_ids, positions, meta = unpack(i64, i32, batch, n, width, self.block_size)
@@ -131,19 +135,17 @@ class ModelRunner:
             k_cache[dst] = k_cache[src]
             v_cache[dst] = v_cache[src]
 
-    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+    def _sampling_row(self, seq: Sequence, position: int) -> SamplingRow:
+        """Each sample of a seeded request draws from its own stream (seed, sample index), so its
+        tokens depend on the seed alone; an unseeded one from (engine base, sequence id)."""
         params = seq.request.params
-        gen = None
-        if params.seed is not None:
-            gen = self.generators.get(seq.seq_id)
-            if gen is None:  # each sample of a seeded request draws from its own stream
-                gen = torch.Generator(device=self.device)
-                gen.manual_seed(params.seed + seq.index)
-                self.generators[seq.seq_id] = gen
-        return SamplingRow(params, seq.token_ids, seq.num_prompt, gen)
-
-    def release(self, seq: Sequence) -> None:
-        self.generators.pop(seq.seq_id, None)
+        if params.greedy:
+            key = 0  # draws nothing: the argmax needs no noise (and the hot batch-1 path no key)
+        elif params.seed is not None:
+            key = stream_key(params.seed, seq.index)
+        else:
+            key = stream_key(self.unseeded_base, seq.seq_id)
+        return SamplingRow(params, seq.token_ids, seq.num_prompt, key, position)
 
     def _profile_activation_bytes(self) -> int:
         """Peak activation memory of a full-budget forward (GPU only), so the KV pool leaves room."""

@@ -1,9 +1,12 @@
 """Batched sampling on the device: penalties, temperature, top-k / top-p / min-p, seeded draws, logprobs.
 
-One row per sampling sequence. Every step is vectorised over the batch; the only per-row Python work
-is drawing noise for rows that carry their own seed. Sampling uses the exponential race (Gumbel-max):
-token = argmax(p / E) with E ~ Exp(1) i.i.d. is an exact draw from p, so a seeded row needs only its own
-noise vector, drawn from its own generator: its result does not depend on the other rows of the batch.
+One row per sampling sequence, every step vectorised over the batch. A draw is the Gumbel-max trick,
+token = argmax(logits / T + G) with G ~ Gumbel(0, 1) i.i.d., an exact draw from softmax(logits / T),
+done in one kernel pass over the logits (ops.sample). Its noise is counter-based (Philox): row r's
+noise is a function of (key, counter) only, where the key names the sequence's stream (from the
+request's seed and sample index, or from the engine's base key and the sequence id when unseeded) and
+the counter is the position of the token being drawn. So a seeded sample does not depend on its batch
+neighbours, and a sequence recomputed after preemption draws the same tokens again.
 Logits processors (structured output, budget forcing on the device) plug in before `_filter`.
 """
 
@@ -23,7 +26,8 @@ class SamplingRow:
     params: SamplingParams
     token_ids: list[int]  # the sequence's tokens (not copied: sliced only when penalties need them)
     num_prompt: int
-    generator: torch.Generator | None  # set when params.seed is given
+    key: int  # the sequence's noise stream (stream_key), an int64
+    counter: int  # the position of the token this row draws
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -75,54 +79,63 @@ class PendingSample:
         return SampleResult(ids, logprobs)
 
 
+_M64 = (1 << 64) - 1
+
+
+def stream_key(a: int, b: int) -> int:
+    """A 63-bit Philox key for stream (a, b): (seed, sample index) or (engine base key, sequence id).
+    SplitMix64's finaliser scatters nearby inputs (seed 7 index 1 vs seed 8 index 0) across the keys."""
+    z = (a * 0x9E3779B97F4A7C15 + b + 1) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return (z ^ (z >> 31)) >> 1
+
+
 class Sampler:
     def __init__(self, vocab_size: int, device: torch.device):
         self.vocab_size = vocab_size
         self.device = device
         self.upload = Uploader(device)
-        self._slot = 0
 
-    def _t(self, values, dtype=torch.float32) -> torch.Tensor:
-        self._slot += 1  # one pinned buffer per call site within a step
-        return self.upload.values(f"s{self._slot}", values, dtype)
+    def _t(self, slot: str, values, dtype=torch.float32) -> torch.Tensor:
+        return self.upload.values(slot, values, dtype)  # one pinned buffer per named slot
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> PendingSample:
-        self._slot = 0
         wants_logprobs = _wants_logprobs(rows)
         if not wants_logprobs and all(r.params.greedy and _no_penalty(r.params) for r in rows):
             # The common benchmark case: one argmax, on the model's dtype (widening is exact: same ids).
             return PendingSample(ops.argmax(logits), None, rows)
-        logits = logits.float()
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None
-        logits = self._apply_penalties(logits, rows)
+        raw_logprobs = torch.log_softmax(logits.float(), dim=-1) if wants_logprobs else None
+        if not all(_no_penalty(r.params) for r in rows):
+            logits = self._apply_penalties(logits.float(), rows)
         if all(r.params.greedy for r in rows):
             return PendingSample(ops.argmax(logits), raw_logprobs, rows)
-        greedy = self._t([r.params.greedy for r in rows], torch.bool)
-        temperature = self._t([r.params.temperature or 1.0 for r in rows])
-        scores = self._filter(logits / temperature[:, None], rows)  # filtered tokens are -inf
-        # argmax(p / E) == argmax(log p - log E) == argmax(scores - log E): no softmax needed
-        noise = self._exponential_noise(rows, scores.shape).log_()
-        sampled = torch.where(greedy, ops.argmax(logits), ops.argmax(scores - noise))
+        temperature = [r.params.temperature for r in rows]  # 0 for greedy rows: the plain argmax
+        if any(_filters(r.params) for r in rows):
+            t = self._t("temperature", [x or 1.0 for x in temperature])
+            logits = self._filter(logits.float() / t[:, None], rows)  # filtered tokens are -inf
+            temperature = [0.0 if x == 0 else 1.0 for x in temperature]  # already divided
+        keys_counters = [r.key for r in rows] + [r.counter for r in rows]  # one upload for both
+        keys, counters = self._t("streams", keys_counters, torch.long).view(2, len(rows))
+        sampled = ops.sample(logits, self._t("draw_temperature", temperature), keys, counters)
         return PendingSample(sampled, raw_logprobs, rows)
 
     # ------------------------------------------------------------------ logits processors
     def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Repetition (prompt + output), presence and frequency (output only) penalties, as in vLLM."""
-        if all(_no_penalty(r.params) for r in rows):
-            return logits
         n, v = logits.shape
         out_counts = torch.zeros(n, v, device=self.device)
         seen = torch.zeros(n, v, dtype=torch.bool, device=self.device)
         for i, r in enumerate(rows):
             if r.output_ids:
-                ids = self._t(r.output_ids, torch.long)
+                ids = self._t(f"output_ids{i}", r.output_ids, torch.long)
                 out_counts[i].index_add_(0, ids, torch.ones(len(ids), device=self.device))
             if r.prompt_ids:
-                seen[i, self._t(r.prompt_ids, torch.long)] = True
+                seen[i, self._t(f"prompt_ids{i}", r.prompt_ids, torch.long)] = True
         seen |= out_counts > 0
-        rep = self._t([r.params.repetition_penalty for r in rows])[:, None]
-        pres = self._t([r.params.presence_penalty for r in rows])[:, None]
-        freq = self._t([r.params.frequency_penalty for r in rows])[:, None]
+        rep = self._t("repetition", [r.params.repetition_penalty for r in rows])[:, None]
+        pres = self._t("presence", [r.params.presence_penalty for r in rows])[:, None]
+        freq = self._t("frequency", [r.params.frequency_penalty for r in rows])[:, None]
         penalised = torch.where(logits > 0, logits / rep, logits * rep)
         logits = torch.where(seen, penalised, logits)
         return logits - freq * out_counts - pres * (out_counts > 0).float()
@@ -134,33 +147,29 @@ class Sampler:
         min_p = [r.params.min_p for r in rows]
         if any(k > 0 for k in top_k):
             ks = [min(k if k > 0 else self.vocab_size, logits.shape[-1]) for k in top_k]
-            k = self._t(ks, torch.long)
+            k = self._t("top_k", ks, torch.long)
             kth = torch.topk(logits, max(ks), dim=-1).values.gather(1, (k - 1)[:, None])
             logits = logits.masked_fill(logits < kth, float("-inf"))
         if any(p < 1.0 for p in top_p):
-            p = self._t(top_p)[:, None]
+            p = self._t("top_p", top_p)[:, None]
             sorted_logits, order = logits.sort(dim=-1, descending=True)
             cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
             drop_sorted = (cum - sorted_logits.softmax(dim=-1)) >= p  # keep the token that crosses p
             drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
             logits = logits.masked_fill(drop, float("-inf"))
         if any(m > 0.0 for m in min_p):
-            m = self._t(min_p)[:, None]
+            m = self._t("min_p", min_p)[:, None]
             probs = logits.softmax(dim=-1)
             logits = logits.masked_fill(probs < m * probs.max(dim=-1, keepdim=True).values, float("-inf"))
         return logits
 
-    # ------------------------------------------------------------------ draws
-    def _exponential_noise(self, rows: list[SamplingRow], shape: torch.Size) -> torch.Tensor:
-        noise = torch.empty(shape, device=self.device).exponential_()
-        for i, r in enumerate(rows):
-            if r.generator is not None and not r.params.greedy:
-                noise[i].exponential_(generator=r.generator)
-        return noise
-
 
 def _wants_logprobs(rows: list[SamplingRow]) -> bool:
     return any(r.params.logprobs is not None for r in rows)
+
+
+def _filters(p: SamplingParams) -> bool:
+    return not p.greedy and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0)
 
 
 def _no_penalty(p: SamplingParams) -> bool:

@@ -9,6 +9,11 @@ step costs two pinned host-to-device copies however many sequences it has:
 R rows of tokens and S sequences, padded beyond the real batch when a CUDA graph bucket is bigger:
 padding tokens have slot -1 (write nothing), padding sequences have one query token, seq_len 1 and
 block 0 (finite reads, ignored outputs). W is the block-table width.
+
+Every segment starts on a 16-byte boundary (`Layout`; unused gap entries are never read). Triton
+specialises a kernel on whether each pointer argument is 16-byte aligned, so segments at offsets that
+follow R or S would compile a new kernel variant whenever a batch's parity changes, a stall of about
+a second in the middle of serving (and a first-run penalty in benchmarks).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ class StepBatch:
     logit_rows: list[int] = field(default_factory=list)  # packed index of each sampling chunk's last token
     sample_rows: list[int] = field(default_factory=list)  # for each sampling sequence, its logits row
     samplers: list = field(default_factory=list)
+    draw_positions: list[int] = field(default_factory=list)  # for each sampler, the position it draws
 
     @property
     def is_decode(self) -> bool:
@@ -64,10 +70,36 @@ def build_batch(out: SchedulerOutput, block_size: int) -> StepBatch:
         b.block_tables.append(blocks)
         if chunk.samples:
             b.logit_rows.append(len(b.input_ids) - 1)
-            for s in chunk.samples:
+            for s in chunk.samples:  # the sampled token lands at position `end`
                 b.sample_rows.append(len(b.logit_rows) - 1)
                 b.samplers.append(s)
+                b.draw_positions.append(end)
     return b
+
+
+def _up(n: int, k: int) -> int:
+    return -(-n // k) * k
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Segment offsets (in elements) of the two buffers for `rows` tokens and `num_seqs` sequences:
+    each rounded up to 16 bytes, i.e. 2 int64 or 4 int32 entries."""
+
+    rows: int
+    num_seqs: int
+
+    @property
+    def row_stride(self) -> int:  # int64 segments: ids at 0, positions at 1x, slots at 2x this
+        return _up(self.rows, 2)
+
+    @property
+    def seq_lens_at(self) -> int:  # int32: cu_seqlens_q at 0
+        return _up(self.num_seqs + 1, 4)
+
+    @property
+    def tables_at(self) -> int:
+        return self.seq_lens_at + _up(self.num_seqs, 4)
 
 
 def pack(b: StepBatch, num_seqs: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,18 +107,18 @@ def pack(b: StepBatch, num_seqs: int, width: int) -> tuple[torch.Tensor, torch.T
     decode steps, where rows == sequences) and block-table width `width`."""
     pad = num_seqs - len(b.seq_lens)
     rows = len(b.input_ids) + pad
-    i64 = np.empty(3 * rows, dtype=np.int64)
+    lay = Layout(rows, num_seqs)
+    r = lay.row_stride
+    i64 = np.zeros(3 * r, dtype=np.int64)
     i64[: len(b.input_ids)] = b.input_ids
-    i64[rows : rows + len(b.positions)] = b.positions
-    i64[2 * rows : 2 * rows + len(b.slot_mapping)] = b.slot_mapping
-    i64[rows - pad : rows] = 0
-    i64[2 * rows - pad : 2 * rows] = 0
-    i64[3 * rows - pad :] = -1
-    i32 = np.zeros(2 * num_seqs + 1 + num_seqs * width, dtype=np.int32)
+    i64[r : r + len(b.positions)] = b.positions
+    i64[2 * r : 2 * r + len(b.slot_mapping)] = b.slot_mapping
+    i64[2 * r + rows - pad : 2 * r + rows] = -1  # padding tokens write nothing
+    i32 = np.zeros(lay.tables_at + num_seqs * width, dtype=np.int32)
     i32[1 : len(b.query_lens) + 1] = np.cumsum(b.query_lens)
     i32[len(b.query_lens) + 1 : num_seqs + 1] = i32[len(b.query_lens)] + np.arange(1, pad + 1)
-    i32[num_seqs + 1 : 2 * num_seqs + 1] = b.seq_lens + [1] * pad
-    tables = i32[2 * num_seqs + 1 :].reshape(num_seqs, width)
+    i32[lay.seq_lens_at : lay.seq_lens_at + num_seqs] = b.seq_lens + [1] * pad
+    tables = i32[lay.tables_at :].reshape(num_seqs, width)
     for row, blocks in zip(tables, b.block_tables):
         row[: len(blocks)] = blocks  # entries past a sequence's last block are never read
     return torch.from_numpy(i64), torch.from_numpy(i32)
@@ -96,17 +128,18 @@ def unpack(
     i64: torch.Tensor, i32: torch.Tensor, b: StepBatch, num_seqs: int, width: int, block_size: int
 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """(input_ids, positions, metadata) as views into the two buffers, on whatever device they are."""
-    rows = i64.shape[0] // 3
     pad = num_seqs - len(b.seq_lens)
+    lay = Layout(sum(b.query_lens) + pad, num_seqs)
+    rows, r = lay.rows, lay.row_stride
     meta = AttentionMetadata(
         cu_seqlens_q=i32[: num_seqs + 1],
-        seq_lens=i32[num_seqs + 1 : 2 * num_seqs + 1],
-        slot_mapping=i64[2 * rows :],
-        block_tables=i32[2 * num_seqs + 1 :].view(num_seqs, width),
+        seq_lens=i32[lay.seq_lens_at : lay.seq_lens_at + num_seqs],
+        slot_mapping=i64[2 * r : 2 * r + rows],
+        block_tables=i32[lay.tables_at :].view(num_seqs, width),
         query_lens_cpu=b.query_lens + [1] * pad,
         seq_lens_cpu=b.seq_lens + [1] * pad,
         max_seqlen_q=max(b.query_lens),
         max_seqlen_k=max(b.seq_lens) if pad == 0 else width * block_size,
         block_size=block_size,
     )
-    return i64[:rows], i64[rows : 2 * rows], meta
+    return i64[:rows], i64[r : r + rows], meta

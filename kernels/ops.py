@@ -165,3 +165,15 @@ def attention(q, k, v, k_cache, v_cache, meta, scale, sliding_window=None, softc
         sliding_window=sliding_window,
         softcap=softcap,
     )
+
+
+def sample(
+    logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor, counters: torch.Tensor
+) -> torch.Tensor:
+    """One Gumbel-max draw per row from softmax(logits / temperature) (T = 0: argmax), its noise from
+    Philox keyed per row (kernels.triton_argmax.sample): the kernel and the twin draw the same ids."""
+    if use_triton(logits) and logits.stride(-1) == 1:
+        from kernels import triton_argmax
+
+        return triton_argmax.sample(logits, temperature, keys, counters)
+    return torch_ops.sample(logits, temperature, keys, counters)

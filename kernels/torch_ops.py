@@ -159,3 +159,57 @@ def _attend_one(qb, kb, vb, group, scale, sliding_window, softcap) -> torch.Tens
     scores = scores.masked_fill(~allowed, -math.inf)
     probs = torch.softmax(scores, dim=-1)
     return torch.matmul(probs, vh).transpose(0, 1).to(qb.dtype)
+
+
+# Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3"), the generator behind
+# triton.language.philox: a keyed bijection of a 128-bit counter, so draw (key, counter) is the same
+# number on every device and in any batch. uint32 arithmetic is emulated in int64 tensors.
+_PHILOX_ROUND = (0xD2511F53, 0xCD9E8D57)
+_PHILOX_BUMP = (0x9E3779B9, 0xBB67AE85)
+_U32 = 0xFFFFFFFF
+
+
+def _mul_hi_lo(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(high, low) 32-bit halves of a * b for a 32-bit constant a and b in [0, 2**32), in int64 without
+    overflow: with 16-bit limbs a*b = ah*bh*2**32 + mid*2**16 + al*bl, every partial product < 2**33."""
+    ah, al = a >> 16, a & 0xFFFF
+    bh, bl = b >> 16, b & 0xFFFF
+    mid = ah * bl + al * bh
+    low = al * bl + ((mid & 0xFFFF) << 16)
+    return (ah * bh + (mid >> 16) + (low >> 32)) & _U32, low & _U32
+
+
+def philox_uint32(keys: torch.Tensor, c0: torch.Tensor, c1: torch.Tensor) -> torch.Tensor:
+    """First output word of Philox4x32-10 for key `keys` (int64: low word k0, high word k1) and counter
+    (c0, c1, 0, 0), as tl.philox computes it; the arguments broadcast. Values in [0, 2**32) as int64."""
+    k0, k1 = keys & _U32, (keys >> 32) & _U32
+    c0, c1 = c0.long() & _U32, c1.long() & _U32
+    c2 = c3 = torch.zeros_like(c0)
+    for _ in range(10):
+        hi_b, lo_b = _mul_hi_lo(_PHILOX_ROUND[1], c2)
+        hi_a, lo_a = _mul_hi_lo(_PHILOX_ROUND[0], c0)
+        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
+        k0, k1 = (k0 + _PHILOX_BUMP[0]) & _U32, (k1 + _PHILOX_BUMP[1]) & _U32
+    return c0
+
+
+def gumbel_noise(keys: torch.Tensor, counters: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[rows, vocab] fp32 Gumbel(0, 1) noise: -log(-log(u)), u from Philox(key, (column, counter)).
+    u = (top 23 bits + 0.5) / 2**23 lies strictly inside (0, 1) and is exact in fp32 (a full 32-bit
+    integer is not: rounding would give u = 1 and an infinite draw about once per 2**25 logits)."""
+    cols = torch.arange(vocab, device=keys.device)[None, :]
+    bits = philox_uint32(keys[:, None], cols, counters[:, None])
+    u = ((bits >> 9).float() + 0.5) * (1.0 / (1 << 23))
+    return -torch.log(-torch.log(u))
+
+
+def sample(
+    logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor, counters: torch.Tensor
+) -> torch.Tensor:
+    """One draw per row from softmax(logits / T) by the Gumbel-max trick: argmax(logits / T + G). Rows
+    with T = 0 take the plain argmax. logits [rows, V] (any float dtype), temperature [rows] fp32,
+    keys / counters [rows] int64 (kernels.triton_argmax.sample documents their meaning). int64 [rows]."""
+    x = logits.float()
+    hot = temperature > 0
+    noisy = x / torch.where(hot, temperature, 1.0)[:, None] + gumbel_noise(keys, counters, x.shape[1])
+    return torch.where(hot[:, None], noisy, x).argmax(dim=-1)

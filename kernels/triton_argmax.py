@@ -1,4 +1,5 @@
-"""Row-wise argmax of logits in one launch (twin: torch.argmax(dim=-1), lowest index on ties).
+"""Row-wise argmax of logits in one launch, plain (greedy decoding; twin: torch.argmax(dim=-1), lowest
+index on ties) or of Gumbel-perturbed logits (sampling; twin: kernels.torch_ops.sample).
 
 Greedy decoding takes one argmax per step over a vocabulary of 128k-256k. torch.argmax gives each row
 to one thread block, and a two-stage torch version costs five small launches; either is a visible
@@ -7,6 +8,12 @@ the first maximum of its BLOCK logits and stores (value, index) as a partial, th
 the row's arrival counter (kernels.arrivals); the row's last program picks the first chunk holding the
 largest partial, so ties resolve to the lowest index whichever program arrives last.
 NaN logits give an unspecified id (torch would return the NaN's index).
+
+Sampling is the same pass with noise added as the logits load: argmax(x / T + G) with G ~ Gumbel(0, 1)
+i.i.d. is an exact draw from softmax(x / T) (the Gumbel-max trick), so a sampled row costs one read of
+its logits, like a greedy one; no fp32 copy, softmax or noise tensor is ever written. The noise of
+logit v comes from Philox4x32-10 keyed by the row's 64-bit key at counter (v, counter): a row's draw
+depends on (key, counter) only, never on its neighbours, its batch or the device.
 """
 
 from __future__ import annotations
@@ -23,9 +30,19 @@ BLOCK = 2048  # logits per program: 63 programs for one row of a 128k vocabulary
 
 
 @triton.jit
+def _gumbel(key, counter, idx):
+    """Gumbel(0, 1) noise of logits idx: Philox(key, (idx, counter, 0, 0)), the top 23 bits of its first
+    word as u = (bits + 0.5) / 2**23 (strictly inside (0, 1), exact in fp32), then -log(-log(u))."""
+    zero = tl.zeros_like(idx).to(tl.uint32)
+    bits, _, _, _ = tl.philox(key, idx.to(tl.uint32), zero + counter.to(tl.uint32), zero, zero)
+    u = ((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+    return -tl.log(-tl.log(u))
+
+
+@triton.jit
 def _argmax_kernel(
-    x_ptr, part_val_ptr, part_idx_ptr, out_ptr, arrivals_ptr, V, stride_x,
-    BLOCK: tl.constexpr, CHUNKS_P2: tl.constexpr, USE_PDL: tl.constexpr,
+    x_ptr, temp_ptr, key_ptr, counter_ptr, part_val_ptr, part_idx_ptr, out_ptr, arrivals_ptr, V, stride_x,
+    BLOCK: tl.constexpr, CHUNKS_P2: tl.constexpr, NOISE: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
@@ -33,6 +50,10 @@ def _argmax_kernel(
     wait_for_inputs(USE_PDL)
     idx = chunk * BLOCK + tl.arange(0, BLOCK)
     v = tl.load(x_ptr + row * stride_x + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
+    if NOISE:
+        t = tl.load(temp_ptr + row)
+        if t > 0.0:  # T = 0 rows (greedy) keep their logits; padding columns stay -inf (-inf + G)
+            v = v / t + _gumbel(tl.load(key_ptr + row), tl.load(counter_ptr + row), idx)
     best = tl.max(v, axis=0)
     first = tl.min(tl.where(v == best, idx, V), axis=0)  # a real index: every chunk holds one
     tl.store(part_val_ptr + row * chunks + chunk, best)
@@ -50,6 +71,27 @@ def _argmax_kernel(
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """logits [rows, V] (any float dtype, rows contiguous) -> int64 ids [rows]."""
+    return _launch(logits, None)
+
+
+def sample(
+    logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor, counters: torch.Tensor
+) -> torch.Tensor:
+    """One draw per row from softmax(logits / temperature): int64 ids [rows]. temperature [rows] fp32
+    (0: the plain argmax); keys [rows] int64, one Philox stream per sequence; counters [rows] int64, the
+    position of the token being drawn (only its low 32 bits are used), so each draw of a stream is
+    fresh and a recomputed position draws the same token again."""
+    rows = logits.shape[0]
+    for name, t, dtype in (("temperature", temperature, torch.float32), ("keys", keys, torch.int64),
+                           ("counters", counters, torch.int64)):  # fmt: skip
+        if t.shape != (rows,) or t.dtype != dtype or t.device != logits.device:
+            raise ValueError(
+                f"sample: {name} must be [{rows}] {dtype} on {logits.device}, got {tuple(t.shape)} {t.dtype}"
+            )
+    return _launch(logits, (temperature, keys, counters))
+
+
+def _launch(logits: torch.Tensor, noise: tuple[torch.Tensor, ...] | None) -> torch.Tensor:
     if logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError(f"argmax: logits {tuple(logits.shape)} must be [rows, vocab] with contiguous rows")
     rows, vocab = logits.shape
@@ -60,8 +102,10 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     part_val = torch.empty((rows, chunks), dtype=torch.float32, device=logits.device)
     part_idx = torch.empty((rows, chunks), dtype=torch.int32, device=logits.device)
     pdl = pdl_enabled(logits.device)
+    temp, keys, counters = noise or (logits, logits, logits)  # unread without NOISE
     _argmax_kernel[(rows, chunks)](
-        logits, part_val, part_idx, out, arrival_counters(rows, logits.device), vocab, logits.stride(0),
-        BLOCK=BLOCK, CHUNKS_P2=triton.next_power_of_2(chunks), USE_PDL=pdl, num_warps=4, launch_pdl=pdl,
+        logits, temp, keys, counters, part_val, part_idx, out, arrival_counters(rows, logits.device), vocab,
+        logits.stride(0), BLOCK=BLOCK, CHUNKS_P2=triton.next_power_of_2(chunks), NOISE=noise is not None,
+        USE_PDL=pdl, num_warps=4, launch_pdl=pdl,
     )  # fmt: skip
     return out

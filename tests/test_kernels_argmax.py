@@ -1,4 +1,5 @@
-"""The one-launch argmax (kernels.triton_argmax) against torch.argmax, ties included.
+"""The one-launch argmax (kernels.triton_argmax) against torch.argmax, ties included; its sampling form
+against the torch twin (kernels.torch_ops.sample), whose Philox matches the Random123 known answers.
 
 Each row's maximum is copied to a later index, often in another chunk, so the lowest-index rule is
 exercised across programs; a row of all -inf must give 0 as torch does. CPU: TRITON_INTERPRET=1 on
@@ -16,7 +17,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels import arrivals, ops  # noqa: E402
+from kernels import arrivals, ops, torch_ops  # noqa: E402
 from kernels import triton_argmax as ta  # noqa: E402
 
 pytestmark = pytest.mark.kernels
@@ -65,3 +66,75 @@ def test_ops_dispatch_and_bad_input(monkeypatch) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_matches_torch_gpu(rows: int, vocab: int, dtype) -> None:
     _check(_logits_with_ties(rows, vocab, dtype, "cuda"))
+
+
+# ------------------------------------------------------------------------------------------- sampling
+
+
+def test_twin_philox_gives_the_random123_known_answer():
+    """Philox4x32-10, key 0, counter 0: first word 0x6627e8d5 (Random123's kat_vectors)."""
+    zero = torch.zeros(1, dtype=torch.int64)
+    assert torch_ops.philox_uint32(zero, zero, zero).item() == 0x6627E8D5
+
+
+def _sample_case(rows: int, vocab: int, dtype, device: str):
+    g = torch.Generator().manual_seed(rows * 31 + vocab)
+    x = (3 * torch.randn(rows, vocab, generator=g)).to(dtype).to(device)
+    temperature = torch.tensor([(0.0, 0.6, 1.0, 1.7)[i % 4] for i in range(rows)], device=device)
+    keys = torch.randint(0, 2**63 - 1, (rows,), generator=g).to(device)
+    keys[0] = 2**63 - 1  # every key bit, and counters beyond 32 bits (only the low word counts)
+    counters = torch.randint(0, 2**40, (rows,), generator=g).to(device)
+    return x, temperature, keys, counters
+
+
+def _check_sample(x, temperature, keys, counters) -> None:
+    """Same ids as the twin, except where the twin's two best noisy scores are within float noise."""
+    got = ta.sample(x, temperature, keys, counters)
+    want = torch_ops.sample(x.cpu(), temperature.cpu(), keys.cpu(), counters.cpu())
+    hot = (temperature > 0).cpu()
+    noisy = x.cpu().float() / torch.where(hot, temperature.cpu(), 1.0)[:, None]
+    noisy += torch_ops.gumbel_noise(keys.cpu(), counters.cpu(), x.shape[1])
+    scores = torch.where(hot[:, None], noisy, x.cpu().float())
+    rows = torch.arange(len(got))
+    gap = (scores[rows, want] - scores[rows, got.cpu()]).abs()
+    assert ((got.cpu() == want) | (gap < 1e-4 * scores[rows, want].abs().clamp(min=1))).all()
+    assert (got.cpu() == want).float().mean() > 0.95
+    assert torch.equal(got.cpu()[~hot], x.cpu()[~hot].argmax(dim=-1))  # T = 0: the plain argmax
+    assert not arrivals._BUFFERS[x.device][-1].any()
+
+
+@interp
+@pytest.mark.parametrize("rows,vocab", [(4, 100), (5, 5000), (3, 2 * ta.BLOCK + 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sample_matches_twin_interpreted(rows: int, vocab: int, dtype) -> None:
+    _check_sample(*_sample_case(rows, vocab, dtype, "cpu"))
+
+
+@interp
+def test_sample_dispatch_and_bad_input(monkeypatch) -> None:
+    monkeypatch.setattr(ops, "use_triton", lambda x: True)
+    x, t, k, c = _sample_case(4, 300, torch.float32, "cpu")
+    assert torch.equal(ops.sample(x, t, k, c), torch_ops.sample(x, t, k, c))
+    with pytest.raises(ValueError, match="keys must be"):
+        ta.sample(x, t, k.int(), c)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA_OK, reason="needs CUDA")
+@pytest.mark.parametrize("vocab", [128256, 151936, 262144])
+@pytest.mark.parametrize("rows", [1, 64, 256])
+def test_sample_matches_twin_gpu(rows: int, vocab: int) -> None:
+    _check_sample(*_sample_case(rows, vocab, torch.bfloat16, "cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA_OK, reason="needs CUDA")
+def test_sample_frequencies_follow_the_softmax_gpu() -> None:
+    """200,000 draws of one row of 64 logits at T = 0.8 (a fresh counter each) against softmax(x / T)."""
+    n, vocab = 200_000, 64
+    x = torch.randn(vocab, generator=torch.Generator().manual_seed(5)).cuda()
+    temperature = torch.full((n,), 0.8, device="cuda")
+    keys = torch.full((n,), 12345, dtype=torch.int64, device="cuda")
+    ids = ta.sample(x.expand(n, vocab).contiguous(), temperature, keys, torch.arange(n, device="cuda"))
+    freq = torch.bincount(ids, minlength=vocab).double() / n
+    assert (freq - torch.softmax(x.double() / 0.8, -1)).abs().max() < 0.005

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.sampler import Sampler, SamplingRow
+from engine.sampler import Sampler, SamplingRow, stream_key
 from engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.engine
@@ -42,7 +42,7 @@ def test_draws_follow_the_filtered_distribution(t, top_k, top_p, min_p):
     logits = torch.tensor([2.0, 1.5, 1.2, 0.3, 0.0, -0.5, -1.0, 0.9])
     n = 40000
     params = SamplingParams(temperature=t, top_k=top_k, top_p=top_p, min_p=min_p)
-    rows = [SamplingRow(params, [0], 1, None)] * n
+    rows = [SamplingRow(params, [0], 1, key=stream_key(99, i), counter=1) for i in range(n)]
     ids = Sampler(V, torch.device("cpu"))(logits.expand(n, V).clone(), rows).resolve().token_ids
     freq = np.bincount(ids, minlength=V) / n
     expected = reference_probs(logits.numpy().astype(np.float64), t, top_k, top_p, min_p)
@@ -55,7 +55,7 @@ def test_penalties_match_their_definitions():
     params = SamplingParams(repetition_penalty=1.5, presence_penalty=0.4, frequency_penalty=0.3)
     prompt, output = [1, 3], [2, 2, 5]
     got = Sampler(V, torch.device("cpu"))._apply_penalties(
-        logits.clone(), [SamplingRow(params, prompt + output, 2, None)]
+        logits.clone(), [SamplingRow(params, prompt + output, 2, key=0, counter=5)]
     )
     want = logits[0].numpy().astype(np.float64).copy()
     for tok in set(prompt + output):  # repetition: divide positive logits, multiply negative ones
@@ -72,9 +72,8 @@ def test_seeded_rows_ignore_their_neighbours_and_logprobs_are_exact():
     other = SamplingParams(temperature=1.0)
 
     def draw(position: int) -> tuple[int, tuple]:
-        rows = [SamplingRow(other, [0], 1, None) for _ in range(6)]
-        g = torch.Generator().manual_seed(11)
-        rows[position] = SamplingRow(seeded, [0], 1, g)
+        rows = [SamplingRow(other, [0], 1, key=stream_key(5, position * 6 + i), counter=1) for i in range(6)]
+        rows[position] = SamplingRow(seeded, [0], 1, key=stream_key(11, 0), counter=1)
         batch = torch.randn(6, V)
         batch[position] = logits[0]
         result = Sampler(V, torch.device("cpu"))(batch, rows).resolve()
@@ -86,3 +85,24 @@ def test_seeded_rows_ignore_their_neighbours_and_logprobs_are_exact():
     chosen, top = lp_a
     assert abs(chosen - ref[a].item()) < 1e-5
     assert [t for t, _ in top] == ref.topk(3).indices.tolist()
+
+
+def test_a_draw_depends_on_its_key_and_counter_only():
+    """Same (key, counter): the same token whatever the temperature-free neighbours; a new counter is a
+    fresh draw from the same distribution (first-token frequencies over 4,000 positions)."""
+    logits = torch.tensor([1.0, 0.5, 0.0, -0.5, 2.0, 0.2, -1.0, 0.3])
+    params = SamplingParams(temperature=1.0)
+    sampler = Sampler(V, torch.device("cpu"))
+    rows = [SamplingRow(params, [0], 1, key=stream_key(3, 0), counter=c) for c in range(4000)]
+    ids = sampler(logits.expand(4000, V).clone(), rows).resolve().token_ids
+    again = sampler(logits.expand(4000, V).clone(), rows[::-1]).resolve().token_ids
+    assert ids == again[::-1]
+    freq = np.bincount(ids, minlength=V) / len(ids)
+    expected = torch.softmax(logits.double(), -1).numpy()
+    assert np.abs(freq - expected).max() < 0.025, (freq.round(3), expected.round(3))
+
+
+def test_stream_keys_are_distinct_63_bit_ints():
+    keys = {stream_key(seed, index) for seed in range(200) for index in range(8)}
+    assert len(keys) == 1600 and all(0 <= k < 2**63 for k in keys)
+    assert stream_key(7, 1) != stream_key(8, 0)
