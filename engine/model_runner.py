@@ -19,7 +19,7 @@ from engine.models.layers import Attention
 from engine.request import Sequence
 from engine.sampler import PendingSample, Sampler, SamplingRow, stream_key
 from engine.scheduler import SchedulerOutput
-from engine.step_inputs import StepBatch, build_batch, pack, unpack
+from engine.step_inputs import StepBatch, build_batch, pack, table_width, unpack
 from engine.uploader import Uploader
 
 _DTYPES = {
@@ -113,9 +113,7 @@ class ModelRunner:
         n = len(batch.seq_lens)
         if self.graphs is not None and batch.is_decode and self.graphs.bucket(n) is not None:
             return self.graphs.run(batch, self.upload, fed_back)
-        # a multiple of 16: the table's row stride is a kernel argument, and Triton compiles a variant
-        # for strides divisible by 16 and one for the rest (see engine/step_inputs.py)
-        width = -(-max(len(t) for t in batch.block_tables) // 16) * 16
+        width = table_width(batch)
         i64, i32 = pack(batch, n, width)
         i64, i32 = self.upload("i64", i64), self.upload("i32", i32)
         input_ids, positions, meta = unpack(i64, i32, batch, n, width, self.block_size)

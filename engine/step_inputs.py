@@ -81,6 +81,13 @@ def _up(n: int, k: int) -> int:
     return -(-n // k) * k
 
 
+def table_width(b: StepBatch) -> int:
+    """Block-table width of an eager step: the longest table, rounded up to 16 entries. The width is
+    the table's row stride, a kernel argument, and Triton compiles one variant for strides divisible
+    by 16 and another for the rest."""
+    return _up(max(len(t) for t in b.block_tables), 16)
+
+
 @dataclass(frozen=True)
 class Layout:
     """Segment offsets (in elements) of the two buffers for `rows` tokens and `num_seqs` sequences:

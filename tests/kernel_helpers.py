@@ -118,6 +118,16 @@ def fused_qkv(env: Env, tokens: int, q_heads: int, kv_heads: int, head_dim: int,
     return qkv[:, :q_heads], qkv[:, q_heads : q_heads + kv_heads], qkv[:, q_heads + kv_heads :]
 
 
+def store_kv_with_twin(store_kv, kv: torch.Tensor, kv_heads: int, k_cache, v_cache, slots):
+    """Split kv [T, 2 Hk, D] into strided k / v views (as from a fused projection), store them into the
+    caches with `store_kv` and into clones with the twin; returns the twin's (k_cache, v_cache)."""
+    k, v = kv[:, :kv_heads], kv[:, kv_heads:]
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    torch_ops.store_kv(k, v, ref_k, ref_v, slots)
+    store_kv(k, v, k_cache, v_cache, slots)
+    return ref_k, ref_v
+
+
 def poisoned_empty(monkeypatch) -> None:
     """torch.empty hands out NaN-filled float tensors, so an output element the kernel misses shows up."""
     real = torch.empty

@@ -43,6 +43,7 @@ from tests.kernel_helpers import (  # noqa: E402
     paged_batch,
     poisoned_empty,
     rand,
+    store_kv_with_twin,
     use_env,
 )
 
@@ -122,10 +123,7 @@ def test_store_kv_skips_padding_slots(env: Env, tokens: int, page: int, head_dim
     slots[::3] = -1  # CUDA-graph padding rows store nothing
     slots = slots.to(env.device)
     kv = rand(env, tokens, 2 * kv_heads, head_dim, seed=9)
-    k, v = kv[:, :kv_heads], kv[:, kv_heads:]  # strided views, as split from a fused projection
-    ref_k, ref_v = k_cache.clone(), v_cache.clone()
-    torch_ops.store_kv(k, v, ref_k, ref_v, slots)
-    K["triton_kv"].store_kv(k, v, k_cache, v_cache, slots)
+    ref_k, ref_v = store_kv_with_twin(K["triton_kv"].store_kv, kv, kv_heads, k_cache, v_cache, slots)
     torch.testing.assert_close(k_cache, ref_k, atol=0, rtol=0, equal_nan=True)
     torch.testing.assert_close(v_cache, ref_v, atol=0, rtol=0, equal_nan=True)
 

@@ -35,6 +35,7 @@ from tests.kernel_helpers import (  # noqa: E402
     nan_like,
     paged_batch,
     rand,
+    store_kv_with_twin,
     use_env,
 )
 
@@ -94,10 +95,7 @@ def test_store_kv_into_fp8_cache(env: Env, tokens: int) -> None:
     slots[1::3] = -1  # CUDA-graph padding rows store nothing
     slots = slots.to(env.device)
     kv = _wide_range(env, tokens, 2 * kv_heads, head_dim, seed=2)
-    k, v = kv[:, :kv_heads], kv[:, kv_heads:]  # strided views, as split from a fused projection
-    ref_k, ref_v = k_cache.clone(), v_cache.clone()
-    torch_ops.store_kv(k, v, ref_k, ref_v, slots)
-    K["triton_kv"].store_kv(k, v, k_cache, v_cache, slots)
+    ref_k, ref_v = store_kv_with_twin(K["triton_kv"].store_kv, kv, kv_heads, k_cache, v_cache, slots)
     _same_fp8(k_cache, ref_k)
     _same_fp8(v_cache, ref_v)
     written = k_cache.view(-1, kv_heads, head_dim)[slots[slots >= 0]].float()
