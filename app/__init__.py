@@ -1,7 +1,7 @@
 """The HTTP side of minserve: an OpenAI-compatible API on Ray Serve.
 
 Modules: protocol (request/response models), errors (the one error shape), ingress (FastAPI routes),
-engine_client (the ingress's streams to the engine), engine_deployment (one AsyncEngine per replica),
-sse (streaming and non-streaming response assembly), metrics (Ray Serve metrics), builder (the
-`serve run` entry point). Nothing here is imported by engine/.
+engine_client (the ingress's streams to the engine), engine_deployment (one engine core process per
+replica), sse (streaming and non-streaming response assembly), metrics (Ray Serve metrics), builder
+(the `serve run` entry point). Nothing here is imported by engine/.
 """

@@ -35,7 +35,12 @@ class AppArgs(BaseModel):
     num_replicas: int = Field(1, ge=1, description="engine replicas (ignored with autoscaling_config)")
     autoscaling_config: dict[str, Any] | None = Field(None, description="Serve autoscaling for the engine")
     max_ongoing_requests: int = Field(256, ge=1, description="open streams per engine replica; 503 beyond")
-    stream_interval_ms: float = Field(0.0, ge=0, description="merge outputs after the first within this")
+    stream_interval_ms: float = Field(
+        0.0, ge=0, description="least time between a stream's items after the first"
+    )
+    stream_items_per_s: float = Field(
+        2000.0, gt=0, description="items per second all streams of a replica may yield together (coalescing)"
+    )
     retry_after_s: int = Field(1, ge=0, description="Retry-After header of 503 answers")
     default_max_tokens: int = Field(256, ge=1, description="chat max_tokens when the request sets none")
     stats_interval_s: float = Field(1.0, gt=0, description="engine stats -> metrics gauges period")
@@ -48,6 +53,9 @@ class AppArgs(BaseModel):
         None, description="require 'Authorization: Bearer <key>' on every route; default: $MINSERVE_API_KEY"
     )
     max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1, description="larger request bodies get 413")
+    null_core_step_ms: float | None = Field(
+        None, gt=0, description="benchmarks only: a core without a model, one token per stream per step"
+    )
 
 
 def _cuda_available() -> bool:
@@ -89,8 +97,10 @@ def build_app(args: AppArgs) -> Application:
         served_model_name=name,
         max_ongoing_requests=args.max_ongoing_requests,
         stream_interval_ms=args.stream_interval_ms,
+        stream_items_per_s=args.stream_items_per_s,
         retry_after_s=args.retry_after_s,
         stats_interval_s=args.stats_interval_s,
+        null_core_step_ms=args.null_core_step_ms,
     )
     return Ingress.options(
         num_replicas=args.ingress_num_replicas,

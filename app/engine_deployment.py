@@ -1,18 +1,25 @@
-"""The engine deployment: one AsyncEngine per replica, streamed to the ingress item by item.
+"""The engine deployment: one engine core process per replica, its outputs fanned out to Serve streams.
 
-`generate` is an async generator called through `DeploymentHandle.options(stream=True)`. Per request:
-the engine thread calls `on_output`, which hands the RequestOutput to this replica's event loop with
-`loop.call_soon_threadsafe` onto a per-request asyncio.Queue; the generator drains that queue.
+The replica holds the GPU (Serve gives it `num_gpus`) but runs no model: it starts the engine core
+process (engine/core.py, through engine/core_client.CoreClient), which inherits the GPU and runs the
+step loop alone. This process does admission, request intake, detokenization and the fan-out of the
+core's outputs to streams; its event loop never shares a GIL with the forward passes.
 
-Items are plain dicts (cheap to pickle, no engine classes needed by the caller):
+`generate` is an async generator called through `DeploymentHandle.options(stream=True)`, one call per
+request (so Serve's router picks the replica). Items are plain dicts (cheap to pickle):
   {"kind": "accepted", "request_id"}  first, once the engine took the request;
   ApiError                            first and only, when it did not (overload, bad prompt, ...);
   {"kind": "output", ...}             see `to_wire`; the one with finished=True is the last.
 
-Streaming cost: every yielded item is one Ray object. The first output is yielded at once (TTFT); later
-outputs that arrive within `stream_interval_ms` of the previous yield are merged into one item.
+Per engine step, the client's reader thread hands this replica's event loop ONE call with every
+request's output (`_fan_out`), which appends to each stream's buffer and wakes it.
+
+Streaming cost: every yielded item is one Ray object, and the HTTP proxy handles every SSE event, so
+items are coalesced by load (`Pacer`): the first output of a stream is yielded at once (TTFT); later
+ones wait until the stream's interval has passed, so that all open streams together yield at most
+`stream_items_per_s` items a second (and each at most one per `stream_interval_ms`).
 Cancellation: when the caller goes away, Serve cancels this generator (asyncio.CancelledError at the
-`await`), and the `finally` aborts the request so the engine frees its KV blocks at the next step.
+`await`), and the `finally` aborts the request: the core frees its KV blocks at its next step.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -34,6 +42,8 @@ from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("ray.serve")
+ITL_FLUSH_S = 0.1
+SWITCH_INTERVAL_S = 0.001
 
 
 def _empty_sample(index: int) -> dict:
@@ -80,10 +90,48 @@ def to_wire(outs: list[RequestOutput], token_text: Callable[[int], str]) -> dict
     }
 
 
-def _rss_bytes() -> int | None:
-    """Resident memory of this process (Linux /proc; None elsewhere)."""
+class Pacer:
+    """How long a stream waits between items: open streams / stream_items_per_s, at least min_interval_s.
+
+    The first item never waits. The budget is per replica: with several ingress or engine replicas the
+    proxy sees their sum, so it is sized for one proxy per engine replica (serve_config.yaml)."""
+
+    def __init__(self, min_interval_s: float, items_per_s: float):
+        self.min_interval_s = min_interval_s
+        self.items_per_s = items_per_s
+
+    def interval(self, open_streams: int) -> float:
+        return max(self.min_interval_s, open_streams / self.items_per_s)
+
+
+class _Stream:
+    """One request's outputs waiting to be yielded; filled by `_fan_out` on the event loop."""
+
+    __slots__ = ("outs", "wake", "prev_token_t", "gap_sum", "gaps")
+
+    def __init__(self) -> None:
+        self.outs: list[RequestOutput] = []
+        self.wake = asyncio.Event()
+        self.prev_token_t: float | None = None  # when the last step that brought tokens reached us
+        self.gap_sum, self.gaps = 0.0, 0  # inter-token gaps since the last yield
+
+
+def _log_finished(out: RequestOutput) -> None:
+    """The one INFO line per request: how it ended, its sizes, and where its time went (replica clock)."""
+    m = out.metrics
+    ms = lambda t: f"{1000 * (t - m.arrival_time):.1f}" if t is not None else "-"
+    reasons = ",".join(sorted({d.finish_reason for d in out.outputs if d.finish_reason}))
+    logger.info(
+        "request %s %s: prompt %d, completion %d, cached %d tokens; queue %s ms, ttft %s ms, e2e %s ms",
+        out.request_id, reasons or "finished", out.prompt_tokens, out.completion_tokens, out.cached_tokens,
+        ms(m.first_scheduled_time), ms(m.first_token_time), ms(m.finished_time),
+    )  # fmt: skip
+
+
+def _rss_bytes(pid: int) -> int | None:
+    """Resident memory of a process (Linux /proc; None elsewhere or when it is gone)."""
     try:
-        with open("/proc/self/statm") as f:
+        with open(f"/proc/{pid}/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError):
         return None
@@ -98,16 +146,24 @@ class EngineDeployment:
         served_model_name: str | None = None,
         max_ongoing_requests: int = 256,
         stream_interval_ms: float = 0.0,
+        stream_items_per_s: float = 2000.0,
         retry_after_s: int = 1,
         stats_interval_s: float = 1.0,
+        null_core_step_ms: float | None = None,
     ):
-        from engine.async_engine import AsyncEngine  # torch is imported only inside the replica
+        from engine.core_client import CoreClient  # the tokenizer is loaded only inside the replica
 
-        self.engine = AsyncEngine(EngineConfig.from_kwargs(model, **engine_options))
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop serving `generate`, set on first use
+        self._streams: dict[str, _Stream] = {}
+        self._flush_scheduled = False
+        # Several threads share this process's GIL (the event loop, the core client's reader, Ray's own):
+        # a thread woken by I/O should not wait the default 5 ms for the running one to yield.
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
+        config = EngineConfig.from_kwargs(model, **engine_options)
+        self.engine = CoreClient(config, self._on_step, null_core_step_ms, autoflush=False)
         self._limit = max_ongoing_requests
-        self._interval_s = stream_interval_ms / 1000.0
+        self._pacer = Pacer(stream_interval_ms / 1000.0, stream_items_per_s)
         self._retry_after = retry_after_s
-        self._ongoing = 0  # streams between accept and finish; only touched on the event loop
         self._name = served_model_name or self.engine.model_name
         self._metrics = ServerMetrics(self._name)
         self._stop = threading.Event()
@@ -119,92 +175,126 @@ class EngineDeployment:
     async def generate(
         self, prompt: str | list[int] | list[dict], params: SamplingParams, request_id: str | None = None
     ) -> AsyncIterator[dict | ApiError]:
-        queue: asyncio.Queue[tuple[float, RequestOutput]] = asyncio.Queue()
-        rid = self._submit(prompt, params, request_id, queue)
+        rid = self._submit(prompt, params, request_id)
         if isinstance(rid, ApiError):
             yield rid
             return
-        self._ongoing += 1
+        stream = self._streams[rid] = _Stream()
         finished = False
         try:
             yield {"kind": "accepted", "request_id": rid}
-            async for item in self._coalesce(queue):
+            async for item in self._coalesce(stream):
                 finished = item["finished"]
                 yield item
         finally:
-            self._ongoing -= 1
+            del self._streams[rid]
             if not finished:  # cancelled by the caller (client disconnect) or failed mid-way
                 self.engine.abort(rid)
+                self._schedule_flush()
 
-    def _submit(
-        self, prompt, params: SamplingParams, request_id: str | None, queue: asyncio.Queue
-    ) -> str | ApiError:
-        """Admission check, then hand the request to the engine; its outputs will land in `queue`."""
-        if self._ongoing >= self._limit:
+    def _submit(self, prompt, params: SamplingParams, request_id: str | None) -> str | ApiError:
+        """Admission check, then hand the request to the engine core."""
+        if len(self._streams) >= self._limit:
             message = (
-                f"server busy: {self._ongoing} requests in flight on this replica "
+                f"server busy: {len(self._streams)} requests in flight on this replica "
                 f"(max_ongoing_requests={self._limit}); retry later"
             )
             return overloaded(message, self._retry_after)
-        loop = asyncio.get_running_loop()
-
-        def on_output(out: RequestOutput) -> None:  # engine thread
-            try:
-                loop.call_soon_threadsafe(queue.put_nowait, (time.perf_counter(), out))
-            except RuntimeError:  # the replica's loop is closed: nobody is listening any more
-                pass
-
+        self._loop = self._loop or asyncio.get_running_loop()
         try:
-            return self.engine.submit(prompt, params, on_output, request_id=request_id)
+            rid = self.engine.submit(prompt, params, request_id=request_id)
         except EngineError as exc:
             return from_engine_error(exc, self._retry_after)
         except Exception as exc:  # a bug, not the client's fault: say so instead of hanging the request
             logger.exception("submit failed")
             return internal(f"engine rejected the request: {type(exc).__name__}: {exc}")
+        self._schedule_flush()
+        return rid
 
-    async def _coalesce(self, queue: asyncio.Queue) -> AsyncIterator[dict]:
-        """Yield the first output at once, then merge what arrives within the stream interval."""
+    def _schedule_flush(self) -> None:
+        """Send what this turn of the event loop queued for the core, once, at the end of the turn."""
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self._loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        self.engine.flush()
+
+    async def _coalesce(self, stream: _Stream) -> AsyncIterator[dict]:
+        """Yield the first output at once, then whatever arrived by the end of each stream interval."""
         last_yield: float | None = None
-        prev_token_t: float | None = None
         while True:
-            batch = [await queue.get()]
-            if last_yield is not None and self._interval_s > 0 and not batch[-1][1].finished:
-                delay = last_yield + self._interval_s - time.perf_counter()
+            await stream.wake.wait()
+            if last_yield is not None and not stream.outs[-1].finished:
+                delay = last_yield + self._pacer.interval(len(self._streams)) - time.perf_counter()
                 if delay > 0:
                     await asyncio.sleep(delay)
-            while not queue.empty():
-                batch.append(queue.get_nowait())
-            for t, out in batch:  # inter-token latency: time between engine steps that produced tokens
-                if any(d.token_ids for d in out.outputs):
-                    if prev_token_t is not None:
-                        self._metrics.observe_itl(t - prev_token_t)
-                    prev_token_t = t
-            outs = [out for _, out in batch]
+            outs, stream.outs = stream.outs, []
+            stream.wake.clear()
             item = to_wire(outs, self._token_text)
-            if item["finished"]:
-                self._metrics.observe_finished(outs[-1])
+            if stream.gaps:  # one ITL observation per item: the mean gap of the steps it carries
+                self._metrics.observe_itl(stream.gap_sum / stream.gaps)
+                stream.gap_sum, stream.gaps = 0.0, 0
             last_yield = time.perf_counter()
             yield item
             if item["finished"]:
                 return
 
+    # ------------------------------------------------------------------ engine outputs, once per step
+    def _on_step(self, outputs: list[RequestOutput]) -> None:
+        """Called on the client's reader thread: one hop to the event loop for the whole step."""
+        loop = self._loop
+        if loop is None:
+            return  # no request was ever submitted through this replica's loop
+        try:
+            loop.call_soon_threadsafe(self._fan_out, outputs, time.perf_counter())
+        except RuntimeError:  # the loop is closed: the replica is shutting down
+            pass
+
+    def _fan_out(self, outputs: list[RequestOutput], arrived: float) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue  # the stream ended meanwhile (cancelled)
+            if any(d.token_ids for d in out.outputs):
+                if stream.prev_token_t is not None:
+                    stream.gap_sum += arrived - stream.prev_token_t
+                    stream.gaps += 1
+                stream.prev_token_t = arrived
+            if out.finished:
+                self._metrics.observe_finished(out)
+                _log_finished(out)
+            stream.outs.append(out)
+            stream.wake.set()
+
     def _token_text(self, token_id: int) -> str:
         return self.engine.tokenizer.decode([token_id])
 
+    # ------------------------------------------------------------------ control
     def _poll_stats(self, interval_s: float) -> None:
-        while not self._stop.wait(interval_s):
+        """Gauges and counters every interval_s; the ITL buckets every 0.1 s, so that replaying them
+        into Ray (one call per observation) never holds the GIL away from the event loop for long."""
+        next_stats = time.monotonic()
+        while not self._stop.wait(ITL_FLUSH_S):
             try:
-                self._metrics.update(self.engine.stats(), self._ongoing)
+                self._metrics.flush_itl()
+                if time.monotonic() >= next_stats:
+                    next_stats += interval_s
+                    self._metrics.update(self.engine.stats(), len(self._streams))
             except Exception:  # metrics must never take the replica down
                 logger.exception("metrics update failed")
 
     def stats(self) -> dict:
+        stats = self.engine.stats()
+        replica, core = _rss_bytes(os.getpid()), _rss_bytes(stats["core_pid"])
         return {
-            **self.engine.stats(),
-            "ongoing_requests": self._ongoing,
+            **stats,
+            "ongoing_requests": len(self._streams),
             "max_ongoing_requests": self._limit,
-            "pid": os.getpid(),  # the replica process: soak tests watch its memory
-            "rss_bytes": _rss_bytes(),
+            "pid": os.getpid(),  # the replica process: soak tests watch its memory (with the core's)
+            "rss_bytes": (replica or 0) + (core or 0) if replica is not None else None,
+            "core_rss_bytes": core,
         }
 
     def audit(self) -> list[str]:
@@ -223,7 +313,7 @@ class EngineDeployment:
     def check_health(self) -> None:
         """Serve calls this periodically; raising marks the replica unhealthy and Serve replaces it."""
         if not self.engine.is_alive():
-            raise RuntimeError("engine loop thread is dead; this replica will be restarted")
+            raise RuntimeError(f"engine core is dead ({self.engine.death}); this replica will be restarted")
 
     def __del__(self) -> None:
         stop = getattr(self, "_stop", None)

@@ -57,17 +57,26 @@ async def stream_once(session, url: str, body: dict) -> dict:
     return {"ok": False, "error": "stream ended without data: [DONE]"}
 
 
+def user_rng(seed: int, user: int) -> random.Random:
+    """User `user`'s request stream: the same in every load tool that draws W2 (see offline_twin)."""
+    return random.Random(seed * 100_003 + user)
+
+
+def draw(rng: random.Random, args, facts: dict) -> tuple[list[int], int]:
+    """One request of the --workload mix: (token-id prompt, max_tokens), lengths scaled and clipped."""
+    names, weights = zip(*parse_mix(args.workload))
+    maker = PromptMaker(facts["vocab_size"], 1.0, as_text=False)
+    req = sample(rng, SHAPES[rng.choices(names, weights)[0]], maker, args.prompt_scale, args.gen_scale,
+                 facts["max_model_len"])  # fmt: skip
+    return (req.prefix or []) + req.prompt, req.max_tokens
+
+
 async def user_loop(i: int, args, session, facts: dict, deadline: float, results: list) -> None:
     await asyncio.sleep(i / args.spawn_rate)
-    rng = random.Random(args.seed * 100_003 + i)
-    maker = PromptMaker(facts["vocab_size"], 1.0, as_text=False)
-    mix = parse_mix(args.workload)
-    names, weights = zip(*mix)
+    rng = user_rng(args.seed, i)
     while time.perf_counter() < deadline:
-        req = sample(rng, SHAPES[rng.choices(names, weights)[0]], maker, args.prompt_scale, args.gen_scale,
-                     facts["max_model_len"])  # fmt: skip
-        prompt = (req.prefix or []) + req.prompt
-        body = {"model": facts["model"], "prompt": prompt, "max_tokens": req.max_tokens, "stream": True,
+        prompt, max_tokens = draw(rng, args, facts)
+        body = {"model": facts["model"], "prompt": prompt, "max_tokens": max_tokens, "stream": True,
                 "stream_options": {"include_usage": True}, "ignore_eos": True}  # fmt: skip
         try:
             res = await asyncio.wait_for(stream_once(session, args.host + "/v1/completions", body),

@@ -85,3 +85,83 @@ def serving_markdown(s: dict) -> str:
 
 def _f(x, digits: int) -> str:
     return "-" if x is None else f"{x:,.{digits}f}"
+
+
+# ---------------------------------------------------------------- benchmarks/serve_overhead.py's report
+OVERHEAD_TARGETS = ((64, 0.85), (256, 0.80))  # served out tok/s >= this share of offline, at these users
+TTFT_USERS, TTFT_SLACK_MS = 64, 25.0  # served TTFT p50 <= offline TTFT p50 + 25 ms, at 64 users
+CPU_COLS = ("engine core", "replica", "ingress", "proxy", "controller", "client", "other ray")
+
+
+def _metric(run: dict | None, key: str, q: str | None = None):
+    s = (run or {}).get("summary") or {}
+    return s.get(key) if q is None else (s.get(key) or {}).get(q)
+
+
+def overhead_acceptance(runs: list[dict]) -> list[dict]:
+    """The acceptance checks per variant, at the user counts that were run; pass None = not measurable."""
+    offline = {r["users"]: r for r in runs if r["stack"] == "offline"}
+    counts, checks = {r["users"] for r in runs}, []
+    for variant in dict.fromkeys(r["variant"] for r in runs if r["stack"] == "served"):
+        served = {r["users"]: r for r in runs if r["stack"] == "served" and r["variant"] == variant}
+        for users, share in OVERHEAD_TARGETS:
+            if users in counts:
+                s, o = _metric(served.get(users), "output_tok_s"), _metric(offline.get(users), "output_tok_s")
+                value = s / o if s is not None and o else None
+                checks.append({"variant": variant, "users": users, "unit": "ratio", "limit": share,
+                               "value": value, "check": f"served out tok/s >= {share:.0%} of offline",
+                               "pass": None if value is None else value >= share})  # fmt: skip
+        if TTFT_USERS in counts:
+            s, o = (_metric(d.get(TTFT_USERS), "ttft_ms", "p50") for d in (served, offline))
+            value = s - o if s is not None and o is not None else None
+            check = f"served TTFT p50 <= offline TTFT p50 + {TTFT_SLACK_MS:g} ms"
+            checks.append({"variant": variant, "users": TTFT_USERS, "unit": "ms", "limit": TTFT_SLACK_MS,
+                           "value": value, "check": check,
+                           "pass": None if value is None else value <= TTFT_SLACK_MS})  # fmt: skip
+    return checks
+
+
+def _overhead_row(run: dict, offline: dict) -> str:
+    tok = _metric(run, "output_tok_s")
+    base = _metric(offline.get(run["users"]), "output_tok_s")
+    ratio = f"{tok / base:.1%}" if tok is not None and base and run["stack"] != "offline" else "-"
+    ideal = f"{_f(run['ideal_tok_s'], 0)} ({run['null_step_ms']:.2f} ms)" if "ideal_tok_s" in run else "-"
+    q = [_f(_metric(run, k, p), 1) for k in ("ttft_ms", "itl_ms") for p in ("p50", "p99")]
+    fail = "error" if "error" in run else str(_metric(run, "failures"))
+    cpu = [_f((run.get("cpu") or {}).get(c), 0) for c in CPU_COLS]
+    if run["stack"] == "offline":  # the twin is one process: engine and load loop together
+        cpu = [_f((run.get("cpu") or {}).get("offline twin"), 0)] + ["-"] * (len(CPU_COLS) - 1)
+    cells = [run["variant"], run["stack"], str(run["users"]), _f(tok, 0), ratio, ideal, *q, fail, *cpu]
+    return "| " + " | ".join(cells) + " |"
+
+
+def _check_value(c: dict) -> str:
+    if c["value"] is None:
+        return "not measured"
+    return f"{c['value']:.1%}" if c["unit"] == "ratio" else f"{c['value']:+.1f} ms over offline"
+
+
+def overhead_markdown(report: dict) -> str:
+    """serve_overhead's table: one row per (variant, stack, users), then the acceptance lines."""
+    runs, host = report.get("runs", []), report.get("host") or {}
+    offline = {r["users"]: r for r in runs if r["stack"] == "offline"}
+    gpu = (host.get("hardware") or {}).get("gpu") or "CPU"
+    head = ["variant", "stack", "users", "out tok/s", "vs offline", "ideal tok/s (step)", "TTFT p50",
+            "TTFT p99", "ITL p50", "ITL p99", "failed", *(f"CPU% {c}" for c in CPU_COLS)]  # fmt: skip
+    s = report.get("settings") or {}
+    lines = [f"## Serving overhead: {report.get('model')} on {gpu}", "",
+             f"- `{report.get('command')}` at {host.get('git_commit')}, {report.get('started')}",
+             f"- {s.get('workload')} closed loop, {s.get('duration')} s per window after a "
+             f"{s.get('warmup')} s warm-up, users start at {s.get('spawn_rate')}/s; times in ms; CPU% = "
+             "CPU s / wall s x 100 (offline: the twin's one process, engine and load loop)", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]  # fmt: skip
+    lines += [_overhead_row(r, offline) for r in runs]
+    lines += ["", "### Acceptance", ""]
+    if not report.get("acceptance"):
+        at = ", ".join(str(u) for u, _ in OVERHEAD_TARGETS)
+        lines.append(f"- no served run at the user counts with targets ({at} users)")
+    for c in report.get("acceptance") or []:
+        verdict = {True: "PASS", False: "FAIL", None: "n/a"}[c["pass"]]
+        lines.append(f"- {verdict} ({c['variant']}, {c['users']} users) {c['check']}: {_check_value(c)}")
+    errors = [f"- {r['variant']} {r['stack']} {r['users']}: {r['error'][:400]}" for r in runs if "error" in r]
+    return "\n".join(lines + (["", "### Errors", "", *errors] if errors else [])) + "\n"

@@ -17,11 +17,11 @@ def __getattr__(name: str):
         from engine.llm_engine import LLMEngine
 
         return LLMEngine
-    if name == "AsyncEngine":
-        from engine.async_engine import AsyncEngine
+    if name == "CoreClient":
+        from engine.core_client import CoreClient
 
-        return AsyncEngine
+        return CoreClient
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "LLMEngine", "AsyncEngine", "SamplingParams", "ToolConfig", "BudgetForcing"]
+__all__ = ["LLM", "LLMEngine", "CoreClient", "SamplingParams", "ToolConfig", "BudgetForcing"]

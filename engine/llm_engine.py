@@ -2,6 +2,9 @@
 
 step():  schedule -> run the model -> postprocess
 
+The offline API (engine/llm.py) drives it in its own process; the server drives it in the engine core
+process (engine/core.py) with detokenize=False and `step_records`, which leave text to the replica.
+
 With async scheduling, a decode step is followed on the device by the next one, launched before the
 host has seen the first one's tokens, so the device never waits for the host's token and text work.
 """
@@ -14,9 +17,11 @@ import logging
 import time
 from collections.abc import Callable
 
+from engine import admission
+from engine.admission import Prompt
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.errors import InvalidRequestError, PromptTooLongError, QueueFullError
+from engine.errors import InvalidRequestError, QueueFullError
 from engine.faults import FaultInjector
 from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor
@@ -28,11 +33,14 @@ from engine.scheduler import Scheduler, SchedulerOutput
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger("engine")
-Prompt = str | list[int] | list[dict]
+# What the engine core sends per request and step (engine/core.py): request id, samples, finished,
+# cached prompt tokens, first-scheduled time. A sample: (index, token ids, masks, logprobs or None,
+# finish reason or None, error or None, whether the last token is a stop token / EOS).
+Record = tuple[str, list[tuple], bool, int, float | None]
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, detokenize: bool = True):
         self.config = config
         self.tokenizer = Tokenizer.from_dir(config.load.model)
         self.runner = ModelRunner(config)
@@ -44,7 +52,13 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
         self.faults = FaultInjector(config.fault_injection, self.tokenizer.decode)
         eos = set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids)
-        self.processor = OutputProcessor(self.tokenizer, eos, self.max_model_len, self.faults)
+        self.processor = OutputProcessor(self.tokenizer, eos, self.max_model_len, self.faults, detokenize)
+        self.detokenize = detokenize
+        sc = config.scheduler
+        self.limits = admission.Limits(
+            self.max_model_len, mc.vocab_size, self.block_manager.num_blocks, self.block_manager.block_size,
+            sc.max_num_seqs, sc.max_waiting,
+        )  # fmt: skip
         self.requests: dict[str, Request] = {}
         self._failed: list[Request] = []
         self._touched: dict[str, Request] = {}  # requests with tokens not yet turned into outputs
@@ -64,69 +78,60 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
     def tokenize(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
-        if prompt and all(isinstance(m, dict) for m in prompt):
-            return self.tokenizer.encode_chat(prompt)
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            raise InvalidRequestError(
-                "prompt: must be a string, a list of token ids or chat messages", field="prompt"
-            )
-        bad = [t for t in prompt if not 0 <= t < self.runner.model_config.vocab_size]
-        if bad:
-            raise InvalidRequestError(
-                f"prompt: token id {bad[0]} is outside the vocabulary "
-                f"[0, {self.runner.model_config.vocab_size})",
-                field="prompt",
-            )
-        return list(prompt)
+        return admission.tokenize(self.tokenizer, prompt, self.limits.vocab_size)
 
     def add_request(
-        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
     ) -> str:
         params = params or SamplingParams()
         ids = self.tokenize(prompt)
-        self._admission_check(ids, params)
+        admission.check(ids, params, self.limits)
+        if len(self.scheduler.waiting) >= self.config.scheduler.max_waiting:
+            raise QueueFullError("the engine queue is full: retry later")
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise InvalidRequestError(f"request_id: {request_id!r} is already in use", field="request_id")
-        request = Request(request_id, ids, params)
+        request = Request(request_id, ids, params, arrival_time or time.time())
         self.requests[request_id] = request
         self.scheduler.add(request)
         self.stats["prompt_tokens_total"] += len(ids)
         return request_id
 
-    def _admission_check(self, ids: list[int], params: SamplingParams) -> None:
-        if not ids:
-            raise InvalidRequestError("prompt: must not be empty", field="prompt")
-        if len(ids) + params.max_tokens > self.max_model_len:
-            raise PromptTooLongError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
-                f"length {self.max_model_len}: shorten the prompt or lower max_tokens",
-                field="max_tokens",
-            )
-        need = -(-(len(ids) + params.max_tokens) // self.block_manager.block_size)
-        if need > self.block_manager.num_blocks:
-            raise PromptTooLongError(
-                f"the request needs {need} KV blocks but the pool has {self.block_manager.num_blocks}: "
-                "lower max_tokens or give the engine more KV memory",
-                field="max_tokens",
-            )
-        if params.n > self.config.scheduler.max_num_seqs:
-            raise InvalidRequestError(
-                f"n: {params.n} samples exceed max_num_seqs ({self.config.scheduler.max_num_seqs})", field="n"
-            )
-        if len(self.scheduler.waiting) >= self.config.scheduler.max_waiting:
-            raise QueueFullError("the engine queue is full: retry later")
+    def abort(self, request_id: str, reason: str = "abort") -> RequestOutput | None:
+        """Finish the request now and free its blocks; returns its final output (or None if unknown).
 
-    def abort(self, request_id: str) -> RequestOutput | None:
-        """Finish the request now and free its blocks; returns its final output (or None if unknown)."""
+        reason "stop": the caller found a stop string in the text (a server leaves text to its replica)."""
+        request = self._abort(request_id, reason)
+        return self._finish_output(request) if request is not None else None
+
+    def abort_record(self, request_id: str, reason: str = "abort") -> Record | None:
+        """`abort` for the engine core: the request's final record instead of a RequestOutput."""
+        request = self._abort(request_id, reason)
+        return self._finish_record(request) if request is not None else None
+
+    def stop_sample(self, request_id: str, index: int) -> None:
+        """Finish one sample now: its caller found a stop string in its text (the engine core's replica
+        does the text work). The request's next record carries the sample's end."""
+        request = self.requests.get(request_id)
+        if request is None or index >= len(request.seqs):
+            return
+        seq = request.seqs[index]
+        if not seq.finished:
+            self.scheduler.finish(seq, "stop")
+        self._touched[request_id] = request
+
+    def _abort(self, request_id: str, reason: str) -> Request | None:
         request = self.requests.get(request_id)
         if request is None:
             return None
-        self.scheduler.abort(request, "abort")
-        self.stats["num_aborts"] += 1
-        return self._finish_output(request)
+        self.scheduler.abort(request, reason)
+        if reason == "abort":
+            self.stats["num_aborts"] += 1
+        return request
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -140,13 +145,29 @@ class LLMEngine:
         A decode step also gets its successor launched behind it (`_launch_ahead`) before its tokens
         are waited for: the next call runs that one instead of scheduling afresh.
         """
+        return self._step(self._emit, self._finish_output)
+
+    def step_records(self) -> list[Record]:
+        """`step` for the engine core: compact per-request records of token ids, no text, no objects.
+
+        Records are cheap, so they are made right after this step's tokens arrive rather than during
+        the next step: a token reaches the caller one step sooner (the device meanwhile runs the step
+        launched ahead, when there is one)."""
+        return self._step(self._emit_records, self._finish_record, emit_first=False)
+
+    def _step(
+        self, emit: Callable[[], list], finish: Callable[[Request], object], emit_first: bool = True
+    ) -> list:
         if self._ahead is not None and not self.scheduler.running:
             self._ahead = None  # every sequence in it has finished since: nothing to wait for
         out, pending = self._ahead or self._schedule_and_launch()
         self._ahead = self._launch_ahead(out, pending)
-        outputs = self._emit()
+        outputs = emit() if emit_first else []
         self._complete(out, pending)
-        return outputs + self._flush_failed()
+        if not emit_first:
+            outputs = emit()
+        failed, self._failed = self._failed, []  # each failed request gets one final output
+        return outputs + [finish(r) for r in failed if r.request_id in self.requests]
 
     def _schedule_and_launch(self) -> tuple[SchedulerOutput, PendingSample | None]:
         out = self.scheduler.schedule()
@@ -222,10 +243,14 @@ class LLMEngine:
             outputs.append(self._make_output(request))
         return outputs
 
-    def _flush_failed(self) -> list[RequestOutput]:
-        """Final outputs of failed requests (each gets exactly one, with finish_reason "error")."""
-        failed, self._failed = self._failed, []
-        return [self._finish_output(r) for r in failed if r.request_id in self.requests]
+    def _emit_records(self) -> list[Record]:
+        """Records of every live request that got tokens in the previous step (no text work)."""
+        touched, self._touched = self._touched, {}
+        return [
+            self._finish_record(r) if r.finished else self._record(r)
+            for r in touched.values()
+            if r.request_id in self.requests
+        ]
 
     def _fail_chunks(self, out: SchedulerOutput, exc: Exception) -> None:
         for request in {id(c.seq.request): c.seq.request for c in out.chunks}.values():
@@ -254,25 +279,10 @@ class LLMEngine:
         return self._output(request)
 
     def _output(self, request: Request) -> RequestOutput:
-        deltas = []
-        for seq in request.seqs:
-            st = self.processor.state(seq)
-            final = seq.finished and not seq.state.get("reported")
-            if not (st.pending_ids or final):
-                continue
-            deltas.append(
-                CompletionDelta(
-                    index=seq.index,
-                    token_ids=st.pending_ids,
-                    text=self.processor.take_text(seq, seq.finished),
-                    logprobs=st.pending_logprobs if request.params.logprobs is not None else None,
-                    token_masks=st.pending_masks,
-                    finish_reason=seq.finish_reason if final else None,
-                    error=seq.error if final else None,
-                )
-            )
-            st.pending_ids, st.pending_masks, st.pending_logprobs = [], [], []
-            seq.state["reported"] = seq.finished
+        deltas = [
+            CompletionDelta(index, ids, text, logprobs, masks, reason, error)
+            for index, ids, masks, logprobs, reason, error, text in self._take_samples(request)
+        ]
         return RequestOutput(
             request.request_id,
             deltas,
@@ -282,6 +292,44 @@ class LLMEngine:
             request.cached_tokens,
             request.metrics,
         )
+
+    def _finish_record(self, request: Request) -> Record:
+        self.requests.pop(request.request_id, None)
+        self.stats["generation_tokens_total"] += request.completion_tokens
+        return self._record(request)
+
+    def _record(self, request: Request) -> Record:
+        samples = list(self._take_samples(request))
+        return (
+            request.request_id,
+            samples,
+            request.finished,
+            request.cached_tokens,
+            request.metrics.first_scheduled_time,
+        )
+
+    def _take_samples(self, request: Request):
+        """Per sample with news: (index, ids, masks, logprobs, finish reason, error, text or stop-token
+        flag). The pending tokens are handed over. Text only when this engine detokenizes; otherwise the
+        last field says whether the final token is a stop token / EOS, which is never part of the text."""
+        want_logprobs = request.params.logprobs is not None
+        for seq in request.seqs:
+            st = self.processor.state(seq)
+            final = seq.finished and not st.reported
+            if not (st.pending_ids or final):
+                continue
+            last = self.processor.take_text(seq, seq.finished) if self.detokenize else st.ends_with_stop_token
+            yield (
+                seq.index,
+                st.pending_ids,
+                st.pending_masks,
+                st.pending_logprobs if want_logprobs else None,
+                seq.finish_reason if final else None,
+                seq.error if final else None,
+                last,
+            )
+            st.pending_ids, st.pending_masks, st.pending_logprobs = [], [], []
+            st.reported = seq.finished
 
     # ------------------------------------------------------------------ introspection
     def audit(self) -> list[str]:

@@ -6,8 +6,8 @@ Token-level work (`append`, between two steps unless the next one was launched a
      python-start marker and forces "<output_start> result <output_end>" into this sequence only;
   3. stop token ids / EOS, max_tokens and max_model_len;
 Text-level work (`detokenize`, deferred until the next step is running on the GPU):
-  4. incremental detokenisation, stop strings matched across token boundaries (the stop string is not
-     emitted: text that could still begin a stop string is held back until it cannot).
+  4. incremental detokenisation and stop strings (engine/text_output.TextStream).
+An engine built with detokenize=False (the server's engine core) skips step 4: its caller does it.
 Forced tokens get mask 0 and are computed next step like any pending tokens.
 """
 
@@ -16,10 +16,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.calculator import evaluate, format_result
-from engine.detokenizer import IncrementalDetokenizer
 from engine.faults import FaultInjector
 from engine.outputs import TokenLogprob
 from engine.request import Sequence
+from engine.text_output import TextStream
 from engine.tokenizer import Tokenizer
 
 
@@ -27,22 +27,26 @@ from engine.tokenizer import Tokenizer
 class SampleState:
     """Per-sample streaming state; `pending_*` is what the next RequestOutput will carry."""
 
-    detok: IncrementalDetokenizer
-    text: str = ""
-    emitted: int = 0  # characters of `text` already handed out
+    text: TextStream | None  # None when the engine leaves text to its caller
     num_seen: int = 0  # output tokens already detokenised
     pending_ids: list[int] = field(default_factory=list)
     pending_masks: list[int] = field(default_factory=list)
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
-    stopped_by_string: bool = False
-    ends_with_stop_token: bool = False
+    ends_with_stop_token: bool = False  # the last token is a stop token / EOS: never part of the text
+    reported: bool = False  # the sample's final delta went out
 
 
 class OutputProcessor:
     def __init__(
-        self, tokenizer: Tokenizer, eos_token_ids: set[int], max_model_len: int, faults: FaultInjector
+        self,
+        tokenizer: Tokenizer,
+        eos_token_ids: set[int],
+        max_model_len: int,
+        faults: FaultInjector,
+        detokenize: bool = True,
     ):
         self.tokenizer = tokenizer
+        self.detokenize_text = detokenize
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.faults = faults
@@ -50,7 +54,15 @@ class OutputProcessor:
 
     def state(self, seq: Sequence) -> SampleState:
         if "out" not in seq.state:
-            seq.state["out"] = SampleState(IncrementalDetokenizer(self.tokenizer, seq.request.prompt_ids))
+            params = seq.request.params
+            text = (
+                TextStream(
+                    self.tokenizer, seq.request.prompt_ids, params.stop, params.include_stop_str_in_output
+                )
+                if self.detokenize_text
+                else None
+            )
+            seq.state["out"] = SampleState(text)
         return seq.state["out"]
 
     def append(self, seq: Sequence, token: int, logprob) -> str | None:
@@ -85,11 +97,13 @@ class OutputProcessor:
         """Text-level work, done while the GPU runs the next step: new text and stop strings.
         Returns True when a stop string ended the sample."""
         st = self.state(seq)
-        stopped = self._detokenize(seq, skip_last=st.ends_with_stop_token)
-        if seq.finished or stopped:
-            if not st.stopped_by_string:
-                st.text += st.detok.flush()  # an incomplete character held back at the very end
-        return stopped
+        self.faults.check("detokenize", seq.request)
+        new = seq.token_ids[seq.num_prompt + st.num_seen :]
+        st.num_seen = seq.num_output
+        taken = st.text.push(new[:-1] if st.ends_with_stop_token and new else new)
+        if seq.finished and taken is None:
+            st.text.finish()
+        return taken is not None and taken > 0
 
     # ------------------------------------------------------------------ forced tokens
     def _encode(self, text: str) -> list[int]:
@@ -137,40 +151,7 @@ class OutputProcessor:
             chosen, top = logprob
             st.pending_logprobs.append(TokenLogprob(tokens[0], chosen, top))
 
-    # ------------------------------------------------------------------ text
-    def _detokenize(self, seq: Sequence, skip_last: bool) -> bool:
-        """Feed new output tokens to the detokenizer; True when a stop string was found."""
-        st, stops = self.state(seq), seq.request.params.stop
-        self.faults.check("detokenize", seq.request)
-        new = seq.token_ids[seq.num_prompt + st.num_seen :]
-        st.num_seen = seq.num_output
-        if skip_last and new:
-            new = new[:-1]
-        for token in new:
-            if st.stopped_by_string:
-                break
-            st.text += st.detok.push(token)
-            if stops and self._cut_stop_string(seq, st):
-                return True
-        return False
-
-    def _cut_stop_string(self, seq: Sequence, st: SampleState) -> bool:
-        params = seq.request.params
-        window = st.text[max(0, st.emitted - max(map(len, params.stop))) :]
-        offset = len(st.text) - len(window)
-        hits = [(window.find(s), s) for s in params.stop if s in window]
-        if not hits:
-            return False
-        pos, s = min(hits)
-        st.text = st.text[: offset + pos + (len(s) if params.include_stop_str_in_output else 0)]
-        st.stopped_by_string = True
-        return True
-
     def take_text(self, seq: Sequence, final: bool) -> str:
-        """Text ready to emit: everything when final, else all but what could start a stop string."""
-        st = self.state(seq)
-        stops = seq.request.params.stop
-        hold = 0 if final or not stops else max(map(len, stops)) - 1
-        end = max(st.emitted, len(st.text) - hold)
-        delta, st.emitted = st.text[st.emitted : end], end
-        return delta
+        """Text ready to emit ("" when the engine leaves text to its caller)."""
+        text = self.state(seq).text
+        return text.take(final) if text is not None else ""

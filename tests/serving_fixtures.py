@@ -45,6 +45,15 @@ class Server:
     headers: dict = field(default_factory=dict)  # the Authorization header when an api_key is set
 
 
+def process_alive(pid: int) -> bool:
+    """The process exists and is not a zombie (Linux /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(") ", 1)[1][0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -90,7 +99,10 @@ def start_server(model_dir: Path, overrides: dict | None = None) -> Server:
         _system_config={"metrics_report_interval_ms": 1000},
     )
     port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    # serve_config.yaml's controller options too: its runtime_env carries Serve's throughput settings
+    serve.start(
+        http_options={"host": "127.0.0.1", "port": port}, controller_options=config.get("controller_options")
+    )
     serve.run(_build(app["import_path"], args), name=app["name"], route_prefix=app.get("route_prefix", "/"))
     url = f"http://127.0.0.1:{port}"
     model = _wait_ready(url, headers)

@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 import random
-import threading
 
 import pytest
 import torch
 
 from engine import LLM
-from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.nanochat import Engine as NanochatEngine
 from engine.sampler import PendingSample
 from engine.sampling_params import BudgetForcing, SamplingParams, ToolConfig
 from tests.reference import NaiveGenerator
+from tests.test_engine_core import InProcessCore
 
 pytestmark = pytest.mark.engine
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -162,23 +161,21 @@ def test_calculator_result_is_forced_with_mask_zero(tiny_model_dir, reference):
     assert tokens[bystander] == reference.greedy(prompt, 12)
 
 
-def test_calculator_works_from_the_engine_loop_thread(tiny_model_dir):
-    engine = AsyncEngine(EngineConfig.from_kwargs(str(tiny_model_dir), dtype="float64"))
-    tok, tool = engine.tokenizer, ToolConfig()
+def test_calculator_works_inside_the_engine_core_loop(tiny_model_dir):
+    """The tool's forced tokens come from the core's own loop (detokenize=False: no text there)."""
+    core = InProcessCore(tiny_model_dir, dtype="float64")
+    tok, tool = core.engine.tokenizer, ToolConfig()
     end = tok.token_id(tool.python_end)
-    runner = engine.engine.runner
+    runner = core.engine.runner
     runner.sampler = ForcedSampler(runner, end, lambda call, i, r: call == 1)
     prompt = [tok.token_id(tool.python_start)] + tok.encode("6*7", add_special_tokens=False)
-    done, tokens = threading.Event(), []
-
-    def on_output(out):
-        tokens.extend(t for d in out.outputs for t in d.token_ids)
-        if out.finished:
-            done.set()
-
-    engine.submit(prompt, SamplingParams(max_tokens=8, tool=tool, **GREEDY), on_output)
-    assert done.wait(60)
-    engine.shutdown()
+    try:
+        core.conn.send([("add", "calc", prompt, SamplingParams(max_tokens=8, tool=tool, **GREEDY), 0.0)])
+        core.gate.set()
+        tokens = []
+        core.finals({"calc"}, on_record=lambda rec: tokens.extend(t for s in rec[1] for t in s[1]))
+    finally:
+        core.close()
     forced = [tok.token_id(tool.output_start)] + tok.encode("42", add_special_tokens=False)
     assert tokens[: 1 + len(forced)] == [end] + forced
 

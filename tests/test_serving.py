@@ -12,6 +12,7 @@ import csv
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -21,7 +22,7 @@ import openai
 import pytest
 
 from engine.sampling_params import SamplingParams
-from tests.serving_fixtures import ROOT, Server, start_server, stop_server, wait_idle
+from tests.serving_fixtures import ROOT, Server, process_alive, start_server, stop_server, wait_idle
 
 # Ray Serve's own pydantic models warn on import; not ours to fix.
 pytestmark = [pytest.mark.serving, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
@@ -32,7 +33,12 @@ PROMPT = "The quick brown fox jumps over the lazy dog"
 def server(tiny_model_dir) -> Server:
     srv = start_server(tiny_model_dir)
     yield srv
-    stop_server()
+    core = httpx.get(f"{srv.url}/v1/engine/stats", timeout=10).json()["core_pid"]
+    stop_server()  # serve.shutdown(), what `serve shutdown` does: no engine core may stay behind
+    deadline = time.monotonic() + 30
+    while process_alive(core):
+        assert time.monotonic() < deadline, f"engine core {core} outlived serve.shutdown()"
+        time.sleep(0.2)
 
 
 @pytest.fixture(scope="module")
@@ -151,6 +157,49 @@ def test_chat_matches_offline_engine(server, client, reference):
     assert stream[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in stream) == expected
     assert stream[-1].choices[0].finish_reason == "length"
+
+
+def test_greedy_and_seeded_outputs_equal_the_offline_engine(server, tiny_model_dir):
+    """Concurrent requests, greedy and seeded (n=2), through HTTP: the same text as LLM.generate."""
+    from engine import LLM
+
+    prompts = ["Seven stones by the river", "The garden in winter", [5, 6, 7, 8, 9, 10]]
+    params = [
+        SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=16, temperature=1.0, seed=21, n=2, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=0.7, top_p=0.9, seed=4, ignore_eos=True),
+    ]
+    expected = [[o.text for o in r.outputs] for r in LLM(str(tiny_model_dir)).generate(prompts, params)]
+    bodies = [
+        {"model": server.model, "prompt": p, "max_tokens": sp.max_tokens, "temperature": sp.temperature,
+         "top_p": sp.top_p, "seed": sp.seed, "n": sp.n, "ignore_eos": True, "stream": stream}
+        for p, sp in zip(prompts, params) for stream in (False, True)
+    ]  # fmt: skip
+
+    async def together() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+            return await asyncio.gather(*(http.post("/v1/completions", json=b) for b in bodies))
+
+    for i, resp in enumerate(asyncio.run(together())):
+        want = expected[i // 2]
+        if bodies[i]["stream"]:
+            texts = [""] * len(want)
+            for event in _events(resp.content)[:-1]:
+                for choice in json.loads(event)["choices"]:
+                    texts[choice["index"]] += choice["text"]
+        else:
+            texts = [c["text"] for c in sorted(resp.json()["choices"], key=lambda c: c["index"])]
+        assert texts == want, (bodies[i], texts, want)
+
+
+def test_the_engine_runs_in_a_process_of_its_own(server):
+    stats = httpx.get(f"{server.url}/v1/engine/stats").json()
+    replica, core = stats["pid"], stats["core_pid"]
+    assert core != replica
+    cmdline = open(f"/proc/{core}/cmdline", "rb").read().split(b"\0")
+    assert b"engine.core" in cmdline
+    parent = int(open(f"/proc/{core}/stat").read().rsplit(") ", 1)[1].split()[1])
+    assert parent == replica  # started and owned by the replica
 
 
 def test_raw_sse_framing(server):
@@ -445,16 +494,38 @@ def test_locust_headless_w2(server, tmp_path):
     assert all(r["Failure Count"] == "0" for r in rows)
 
 
-def test_dead_engine_loop_fails_health_and_replica_is_replaced(server):
-    """Runs last: it kills the engine loop (fault "loop"); check_health makes Serve replace the replica."""
-    body = {"model": server.model, "prompt": "__fault:loop__", "max_tokens": 2}
-    _assert_error(_post(server, "/v1/completions", body), 500, code="generation_error")
-    health = httpx.get(f"{server.url}/health", timeout=60)
-    _assert_error(health, 503, code="engine_dead")
-    assert health.headers["retry-after"] == "1"
+def test_killed_core_fails_health_ends_streams_and_replica_is_replaced(server):
+    """Runs last: kill -9 of the engine core process. Open streams end with one error event, health
+    fails, Serve replaces the replica (with a new core), and the server serves again."""
+    stats = httpx.get(f"{server.url}/v1/engine/stats").json()
+    body = {"model": server.model, "prompt": PROMPT, "max_tokens": 3000, "ignore_eos": True, "stream": True}
+
+    async def scenario() -> list[list[str]]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
+
+            async def in_flight(started: asyncio.Event) -> list[str]:
+                async with http.stream("POST", "/v1/completions", json=body) as r:
+                    assert r.status_code == 200
+                    lines = r.aiter_lines()
+                    first = await lines.__anext__()
+                    started.set()
+                    return [first] + [line async for line in lines]
+
+            flags = [asyncio.Event() for _ in range(2)]
+            tasks = [asyncio.create_task(in_flight(f)) for f in flags]
+            await asyncio.gather(*(f.wait() for f in flags))
+            os.kill(stats["core_pid"], signal.SIGKILL)
+            return [[line[6:] for line in t if line] for t in await asyncio.gather(*tasks)]
+
+    for events in asyncio.run(scenario()):
+        assert "[DONE]" not in events and sum(e.startswith('{"error"') for e in events) == 1, events[-3:]
+        assert "engine core process exited" in json.loads(events[-1])["error"]["message"]
+    _assert_error(httpx.get(f"{server.url}/health", timeout=60), 503, code="engine_dead")
     deadline = time.monotonic() + 120
     while httpx.get(f"{server.url}/health", timeout=60).status_code != 200:
-        assert time.monotonic() < deadline, "the dead replica was not replaced"
+        assert time.monotonic() < deadline, "the replica with the dead core was not replaced"
         time.sleep(1)
+    new = httpx.get(f"{server.url}/v1/engine/stats").json()
+    assert new["pid"] != stats["pid"] and new["core_pid"] != stats["core_pid"]
     body = {"model": server.model, "prompt": PROMPT, "max_tokens": 3}
     assert _post(server, "/v1/completions", body).json()["usage"]["completion_tokens"] == 3

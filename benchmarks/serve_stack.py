@@ -1,0 +1,185 @@
+"""The served stack for benchmarks: `serve run` of serve_config.yaml in a session of its own, the
+environment its children need on the offline GPU host, host facts, and a py-spy hook.
+
+Used by benchmarks/serve_overhead.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+from benchmarks.common import git_commit
+from benchmarks.proc_cpu import session_pids
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+_T0 = time.monotonic()
+_FACTS = (
+    "import json, ray; from benchmarks.common import environment as e; d = e(); "
+    "d['versions']['ray'] = ray.__version__; print(json.dumps(d))"
+)
+
+
+def log(msg: str) -> None:
+    print(f"[serve_overhead {time.monotonic() - _T0:5.0f}s] {msg}", file=sys.stderr, flush=True)
+
+
+def serve_config(device: str, ckpt: str, port: int, users: int, null_step_ms: float | None = None) -> dict:
+    """The repo's serve_config.yaml with the checkpoint, GPUs, port and GPU engine options (serve_w2.sh's)."""
+    import yaml
+
+    cfg = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+    cfg["http_options"]["port"] = port
+    args = cfg["applications"][0]["args"]
+    args.update(model=str(ckpt), num_gpus=int(device == "cuda"), max_ongoing_requests=max(256, 2 * users))
+    if device == "cuda":
+        args["engine"].update(max_num_seqs=256, gpu_memory_utilization=0.85)
+        args["engine"].pop("cpu_kv_cache_bytes", None)
+    if null_step_ms is not None:
+        args["null_core_step_ms"] = round(null_step_ms, 3)
+    return cfg
+
+
+def engine_options(device: str) -> dict:
+    """The served engine's EngineConfig.from_kwargs options (the twin uses the same)."""
+    return serve_config(device, "unused", 0, 1)["applications"][0]["args"]["engine"]
+
+
+def _sh(cmd: list[str], env: dict, timeout: float | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, env=env, cwd=ROOT, text=True, capture_output=True, timeout=timeout)
+
+
+def child_env() -> dict:
+    """The children's environment: Ray Serve from .gpuwheels where missing (as serve_w2.sh), repo on path."""
+    env = dict(os.environ, TQDM_MININTERVAL=os.environ.get("TQDM_MININTERVAL", "5"), RAY_ADDRESS="local")
+    path = [str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(":") if p]
+    if _sh([PY, "-c", "import ray.serve, fastapi"], env).returncode:
+        wheels = sorted(str(w) for w in (ROOT / ".gpuwheels").glob("*.whl"))
+        if not wheels:
+            sys.exit("serve_overhead: Ray Serve is missing and there is no .gpuwheels to install it from")
+        log("installing .gpuwheels into /tmp/pylib")
+        pip = [PY, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target", "/tmp/pylib"]
+        _sh(pip + wheels, env).check_returncode()
+        path.insert(0, "/tmp/pylib")
+        env["RAY_AUTH_MODE"] = "disabled"
+    env["PYTHONPATH"] = ":".join(path)
+    return env
+
+
+def host_facts(env: dict) -> dict:
+    """GPU, CPU count, versions: in a subprocess, so this process never holds a CUDA context."""
+    out = _sh([PY, "-c", _FACTS], env, timeout=300)
+    ok = out.returncode == 0
+    facts = json.loads(out.stdout.strip().splitlines()[-1]) if ok else {"error": out.stderr[-500:]}
+    return {**facts, "git_commit": git_commit(ROOT)}
+
+
+def ensure_checkpoint(args, device: str, env: dict) -> Path:
+    ckpt = Path(args.ckpt or f"/tmp/minserve_bench/{args.model}").resolve()
+    if not (ckpt / "config.json").exists():
+        log(f"making the {args.model} checkpoint in {ckpt}")
+        make = [PY, "-m", "scripts.make_model", args.model, str(ckpt), "--device", device]
+        _sh(make, env).check_returncode()
+    return ckpt
+
+
+class Server:
+    """`serve run CONFIG` in a session of its own (setsid), ready once /v1/models answers."""
+
+    def __init__(self, cfg: dict, run_dir: Path, env: dict, port: int):
+        import yaml
+
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.config = run_dir / "serve_config.yaml"
+        self.config.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        self.url, self.run_dir, self.env = f"http://127.0.0.1:{port}", run_dir, env
+        self.proc: subprocess.Popen | None = None
+
+    def _answers(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/v1/models", timeout=5) as r:
+                return r.status == 200
+        except Exception:
+            return False
+
+    def start(self, timeout: float) -> None:
+        if self._answers():
+            raise RuntimeError(f"something already answers at {self.url}: not ours to measure")
+        # SIGINT stops `serve run` also where this runs with SIGINT ignored (a background job)
+        launch = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+        cmd = [PY, "-c", launch + "from ray.serve.scripts import cli; cli()", "run", str(self.config)]
+        with open(self.run_dir / "serve.log", "w") as f:
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=f, stderr=subprocess.STDOUT,
+                                         start_new_session=True)  # fmt: skip
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"`serve run` exited ({self.proc.returncode}): {self.log_tail()}")
+            if self._answers():
+                return log(f"server ready after {time.monotonic() - t0:.0f} s ({self.run_dir.name})")
+            time.sleep(2)
+        raise RuntimeError(f"no answer from {self.url}/v1/models in {timeout:.0f} s: {self.log_tail()}")
+
+    def log_tail(self, lines: int = 15) -> str:
+        path = self.run_dir / "serve.log"
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+
+    def stop(self) -> None:
+        """Ctrl-C to `serve run` (it stops Serve and its Ray), then TERM / KILL what its session left."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(15)  # graceful enough: what is left is killed below (no measurement runs now)
+        for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
+            for pid in session_pids(proc.pid):
+                try:
+                    os.kill(pid, sig)
+                except OSError:
+                    pass
+            t0 = time.monotonic()
+            while session_pids(proc.pid) and time.monotonic() - t0 < wait:
+                time.sleep(0.5)
+        proc.poll()
+
+
+def profile_server(server: Server, name: str, delay: float, seconds: float) -> None:
+    """py-spy (where installed) records the core, replica, ingress and proxy for `seconds` after `delay`,
+    as folded stacks in RUN_DIR/profile_<name>_<role>.txt; runs in the background."""
+    import shutil
+
+    spy = shutil.which("py-spy", path=os.pathsep.join(["/tmp/pylib/bin", os.environ.get("PATH", "")]))
+    if spy is None:
+        return log("no py-spy: not profiling")
+
+    def record() -> None:
+        time.sleep(delay)
+        import psutil
+
+        from benchmarks.proc_cpu import assign_roles
+
+        procs = {}
+        for pid in session_pids(server.proc.pid):
+            with contextlib.suppress(psutil.Error):
+                p = psutil.Process(pid)
+                procs[pid] = {"text": " ".join(p.cmdline()) + " " + p.name(), "ppid": p.ppid()}
+        roles = assign_roles(procs, set())
+        for pid, role in roles.items():
+            if role in ("engine core", "replica", "ingress", "proxy"):
+                out = server.run_dir / f"profile_{name}_{role.replace(' ', '_')}_{pid}.txt"
+                cmd = [spy, "record", "-p", str(pid), "-d", str(int(seconds)), "-r", "100", "-f", "raw",
+                       "--nonblocking", "-o", str(out)]  # fmt: skip
+                subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    threading.Thread(target=record, daemon=True).start()

@@ -1,0 +1,186 @@
+"""The engine core process: the LLMEngine's step loop alone in a process of its own.
+
+The server's engine replica starts it (`python -m engine.core FD PARENT_PID`, engine/core_client.py)
+and talks to it over one Unix socket: multiprocessing.connection framing, pickled tuples. Each turn:
+  1. read every command that has arrived: batches of ("add", rid, ids, params, arrival_time),
+     ("abort", rid), ("stop_sample", rid, index) and ("shutdown",);
+  2. run one engine step;
+  3. send ONE message for the whole step: ("step", records, stats), every request's new token ids.
+Nothing else runs here: no event loop, no HTTP, no metrics, no text. The replica detokenizes, matches
+stop strings (and sends the stop back), builds output objects and records metrics. The one feature
+that needs text inside the loop, the calculator tool, decodes only its expression when a tool call
+ends (engine/output_processor.py), and budget forcing encodes its replacement once per string.
+
+Why a process: per-token Python in the replica (Serve's streaming, metrics) would otherwise share a
+GIL with the thread that launches the forward passes, slowing every step (vLLM's EngineCore and
+SGLang's scheduler process exist for the same reason).
+
+Lifetime: the core never outlives its replica. It asks the kernel for SIGKILL when the thread that
+started it goes away (PR_SET_PDEATHSIG; that thread lives as long as the replica), and a closed
+socket (EOF, or EPIPE on send) ends the loop too.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+import time
+import traceback
+from multiprocessing.connection import Connection
+
+from engine.errors import EngineError, QueueFullError
+
+log = logging.getLogger("engine.core")
+IDLE_POLL_S = 1.0  # how often an idle core checks that its parent is still there
+STATS_EVERY_S = 0.05  # a stats snapshot rides on a step message at most this often
+
+
+def _final(rid: str, reason: str, error: str | None = None) -> tuple:
+    """The final record of a request the engine never held (aborted or refused on the way in)."""
+    return (rid, [(0, [], [], None, reason, error, False)], True, 0, None)
+
+
+class EngineCore:
+    """The loop: apply commands, step, send. `engine` is an LLMEngine(detokenize=False) or a stand-in
+    with the same surface (engine/null_core.py)."""
+
+    def __init__(self, engine, conn: Connection):
+        self.engine = engine
+        self.conn = conn
+        self.deferred: list[tuple] = []  # adds waiting for room in the scheduler's queue, in order
+        self.pending: list[tuple] = []  # final records produced between steps (aborts, refusals)
+        self.running = True
+        self._last_stats = 0.0
+
+    def run(self) -> int:
+        """The loop, until shutdown (0), the replica going away (0) or the loop failing (1: the replica
+        is told why with a ("dead", message) before this returns)."""
+        try:
+            self._loop()
+        except (EOFError, BrokenPipeError, ConnectionResetError):
+            return 0  # the replica is gone
+        except BaseException as exc:
+            message = f"{type(exc).__name__}: {exc}"
+            log.error("engine loop died: %s\n%s", message, traceback.format_exc())
+            try:
+                self.conn.send(("dead", message))
+            except OSError:
+                pass
+            return 1
+        return 0
+
+    def _loop(self) -> None:
+        idle_sent = False
+        while self.running:
+            busy = self.engine.has_unfinished() or bool(self.deferred)
+            self.read(timeout=0.0 if busy else IDLE_POLL_S)
+            self.apply_deferred()
+            if not self.engine.has_unfinished():
+                if self.pending or not idle_sent:
+                    self.send_step([])
+                    self.conn.send(("idle", self.engine.get_stats(), self.engine.audit()))
+                idle_sent = True
+                continue
+            idle_sent = False
+            self.send_step(self.engine.step_records())
+
+    def send_step(self, records: list) -> None:
+        now = time.monotonic()
+        records, self.pending = self.pending + records, []
+        stats = None
+        if now - self._last_stats >= STATS_EVERY_S:
+            stats, self._last_stats = self.engine.get_stats(), now
+        if records or stats is not None:
+            self.conn.send(("step", records, stats))
+
+    def read(self, timeout: float) -> None:
+        """Apply every command that arrived; wait up to `timeout` for the first one."""
+        if not self.conn.poll(timeout):
+            return
+        while self.running:
+            for command in self.conn.recv():
+                self.apply(command)
+            if not self.conn.poll(0):
+                return
+
+    def apply(self, command: tuple) -> None:
+        kind = command[0]
+        if kind == "add":
+            self.deferred.append(command)
+        elif kind == "abort":
+            self.abort(command[1])
+        elif kind == "stop_sample":
+            self.engine.stop_sample(command[1], command[2])
+        elif kind == "shutdown":
+            self.running = False
+        else:
+            raise ValueError(f"unknown engine-core command {kind!r}")
+
+    def abort(self, rid: str) -> None:
+        queued = [c for c in self.deferred if c[1] == rid]
+        if queued:  # aborted before the engine took it
+            self.deferred = [c for c in self.deferred if c[1] != rid]
+            self.engine.stats["num_aborts"] += 1
+            self.pending.append(_final(rid, "abort"))
+            return
+        record = self.engine.abort_record(rid)
+        if record is not None:
+            self.pending.append(record)
+
+    def apply_deferred(self) -> None:
+        """Hand queued adds to the engine in arrival order, until its queue is full.
+
+        The replica admitted each request against the engine's capacity before answering 200, but the
+        scheduler's queue can have grown since (preempted sequences): a request then waits here instead
+        of failing after its caller was told it was accepted."""
+        while self.deferred:
+            _, rid, ids, params, arrival = self.deferred[0]
+            try:
+                self.engine.add_request(ids, params, request_id=rid, arrival_time=arrival)
+            except QueueFullError:
+                return
+            except EngineError as exc:
+                self.pending.append(_final(rid, "error", str(exc)))
+            else:
+                self.engine.faults.check("loop", self.engine.requests[rid])
+            self.deferred.pop(0)
+
+
+def _die_with_parent() -> None:
+    """SIGKILL this process when the thread that started it ends (Linux; elsewhere the socket's EOF)."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _build(config, null_step_ms: float | None):
+    if null_step_ms is not None:
+        from engine.null_core import NullEngine
+
+        return NullEngine(config, null_step_ms)
+    from engine.llm_engine import LLMEngine
+
+    return LLMEngine(config, detokenize=False)
+
+
+def main(fd: int, parent_pid: int) -> int:
+    _die_with_parent()
+    if os.getppid() != parent_pid:
+        return 1  # the parent died before the death signal was armed
+    logging.basicConfig(level=logging.INFO, format="engine-core %(levelname)s %(message)s")
+    conn = Connection(fd)
+    _, config, null_step_ms = conn.recv()
+    try:
+        engine = _build(config, null_step_ms)
+    except BaseException as exc:
+        conn.send(("failed", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        return 1
+    conn.send(("ready", engine.limits))
+    return EngineCore(engine, conn).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main(int(sys.argv[1]), int(sys.argv[2])))

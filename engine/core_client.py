@@ -1,0 +1,249 @@
+"""The server's side of the engine core process (engine/core.py): start it, feed it, read it.
+
+    client = CoreClient(config, on_step)       # starts `python -m engine.core`, waits until the model is up
+    rid = client.submit(prompt, params)         # any thread; validation errors are raised here
+    client.abort(rid)                           # the request ends now: no further outputs
+    ...on_step(outputs) is called once per engine step, on the client's reader thread
+
+Requests and aborts go to the core in batches: they queue in an outbox, and `flush` sends all of it
+as one message. With autoflush (the default) every call flushes; a server passes autoflush=False and
+calls `flush` once per turn of its event loop, so what arrived in that turn travels together.
+The core answers with one message per step holding every request's new token
+ids; the reader thread turns them into text here (engine/text_output.TextStream: detokenization and
+stop strings, which go back to the core as "stop_sample"), builds the RequestOutputs and hands the
+whole step's list to `on_step` in one call. Every request gets exactly one final output (finished=True),
+unless it was aborted by the caller: also when it fails, or when the core dies (the error says why).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+from engine import admission
+from engine.admission import Prompt
+from engine.config import EngineConfig
+from engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
+from engine.faults import FaultInjector
+from engine.live_request import LiveRequest
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer
+
+log = logging.getLogger("engine")
+ROOT = Path(__file__).resolve().parents[1]
+OnStep = Callable[[list[RequestOutput]], None]
+
+
+class CoreClient:
+    def __init__(
+        self, config: EngineConfig, on_step: OnStep, null_step_ms: float | None = None, autoflush: bool = True
+    ):
+        self.tokenizer = Tokenizer.from_dir(config.load.model)
+        self.model_name = config.load.model.rstrip("/").split("/")[-1]
+        self._on_step = on_step
+        self._faults = FaultInjector(config.fault_injection, self.tokenizer.decode)
+        self._live: dict[str, LiveRequest] = {}
+        self._lock = threading.Lock()
+        self._outbox: list[tuple] = []
+        self._send_lock = threading.Lock()  # one sender at a time, batches in outbox order
+        self._autoflush = autoflush
+        self._closing = False
+        self.death: str | None = None
+        self._stats: dict = {}
+        self._audit: list[str] = []
+        self.proc, self._conn = self._start(config, null_step_ms)
+        self.limits: admission.Limits = self._conn.recv_ready()
+        self.max_model_len = self.limits.max_model_len
+        threading.Thread(target=self._read, name="core-reader", daemon=True).start()
+
+    # ------------------------------------------------------------------ starting the core
+    def _start(self, config: EngineConfig, null_step_ms: float | None):
+        """Spawn the core from a keeper thread that then waits on it for the core's whole life: the
+        core's death signal is tied to the thread that started it (engine/core.py). The reader thread,
+        not the keeper, reports the core's end: it sees EOF only after the core's last message."""
+        ours, theirs = socket.socketpair()
+        started: list = []
+        ready = threading.Event()
+
+        def keeper() -> None:
+            env = {
+                **os.environ,
+                "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+            }
+            cmd = [sys.executable, "-m", "engine.core", str(theirs.fileno()), str(os.getpid())]
+            try:
+                started.append(subprocess.Popen(cmd, pass_fds=[theirs.fileno()], env=env, cwd=ROOT))
+            except BaseException as exc:
+                started.append(exc)
+            finally:
+                ready.set()
+            if isinstance(started[0], subprocess.Popen):
+                started[0].wait()
+
+        threading.Thread(target=keeper, name="core-keeper", daemon=True).start()
+        ready.wait()
+        theirs.close()
+        if isinstance(started[0], BaseException):
+            raise started[0]
+        conn = _CoreConnection(ours.detach())
+        conn.send(("start", config, null_step_ms))
+        return started[0], conn
+
+    # ------------------------------------------------------------------ called from any thread
+    def submit(
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+    ) -> str:
+        """Validate and queue a request; raises EngineError subclasses synchronously."""
+        if not self.is_alive():
+            raise EngineDeadError(f"the engine core is not running ({self.death or 'exited'})")
+        ids = admission.tokenize(self.tokenizer, prompt, self.limits.vocab_size)
+        admission.check(ids, params, self.limits)
+        arrival = arrival_time or time.time()
+        with self._lock:
+            if len(self._live) >= self.limits.max_num_seqs + self.limits.max_waiting:
+                raise QueueFullError("the engine is at capacity: retry later")
+            request_id = request_id or f"req-{uuid.uuid4().hex}"
+            if request_id in self._live:
+                raise InvalidRequestError(f"request_id: {request_id!r} is in use", field="request_id")
+            self._live[request_id] = LiveRequest(request_id, ids, params, arrival, self.tokenizer)
+            self._outbox.append(("add", request_id, ids, params, arrival))
+        if self._autoflush:
+            self.flush()
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            if self._live.pop(request_id, None) is None:
+                return
+            self._outbox.append(("abort", request_id))
+        if self._autoflush:
+            self.flush()
+
+    def is_alive(self) -> bool:
+        return self.death is None and self.proc.poll() is None
+
+    def stats(self) -> dict:
+        return {**self._stats, "core_pid": self.proc.pid}
+
+    def audit(self) -> list[str]:
+        """KV leak problems the core saw at its last idle point (blocks held with no live request)."""
+        return list(self._audit)
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        self._closing = True
+        with self._lock:
+            self._outbox.append(("shutdown",))
+        self.flush()
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def flush(self) -> None:
+        """Send every queued command as one message. A send blocks only while the core's socket buffer
+        is full, i.e. for at most about one engine step (the core reads between steps)."""
+        with self._send_lock:
+            with self._lock:
+                batch, self._outbox = self._outbox, []
+            if not batch or self.death is not None:
+                return
+            try:
+                self._conn.send(batch)
+            except OSError:
+                pass  # the core is gone; the reader reports it
+
+    # ------------------------------------------------------------------ the reader thread
+    def _read(self) -> None:
+        while True:
+            try:
+                message = self._conn.recv()
+            except (EOFError, OSError):
+                self._core_exited()
+                return
+            kind = message[0]
+            if kind == "step":
+                if message[2] is not None:
+                    self._stats = message[2]
+                self._deliver(self._outputs(message[1]))
+            elif kind == "idle":
+                self._stats, self._audit = message[1], message[2]
+            elif kind == "dead":
+                self._fail_all(message[1])
+
+    def _outputs(self, records: list) -> list[RequestOutput]:
+        now = time.time()
+        outputs, stops = [], []
+        for rid, samples, finished, cached, scheduled in records:
+            live = self._live.get(rid)
+            if live is None:
+                continue  # aborted by the caller, or already ended here (stop string, failure)
+            try:
+                out = live.absorb(samples, finished, cached, scheduled, now, self._faults)
+            except Exception as exc:  # a failure in this request's text work fails it alone
+                log.error("request %s failed: %s", rid, exc)
+                out = live.fail(f"{type(exc).__name__}: {exc}", now)
+                stops.append(("abort", rid))
+            stops += [("stop_sample", rid, i) for i in live.take_stops()]
+            if out.finished:
+                self._live.pop(rid, None)
+            outputs.append(out)
+        if stops:
+            with self._lock:
+                self._outbox += stops
+            self.flush()
+        return outputs
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        if not outputs:
+            return
+        try:
+            self._on_step(outputs)
+        except Exception:  # a broken consumer must not take the reader down
+            log.exception("on_step failed")
+
+    def _core_exited(self) -> None:
+        if self._closing:
+            return
+        try:
+            code = self.proc.wait(5)
+        except subprocess.TimeoutExpired:  # the socket broke but the process lingers: end it
+            self.proc.kill()
+            code = self.proc.wait()
+        self._fail_all(f"the engine core process exited (code {code})")
+
+    def _fail_all(self, message: str) -> None:
+        with self._lock:
+            if self.death is not None:
+                return
+            self.death = message
+            live, self._live = self._live, {}
+        log.error("engine core died: %s", message)
+        now = time.time()
+        self._deliver([r.fail(message, now) for r in live.values()])
+
+
+class _CoreConnection(Connection):
+    def recv_ready(self) -> admission.Limits:
+        """The core's first message: its limits once the model is loaded, or why it could not start."""
+        try:
+            message = self.recv()
+        except EOFError:
+            raise RuntimeError("the engine core process exited during start-up; see its log above") from None
+        if message[0] == "failed":
+            raise RuntimeError(f"the engine core failed to start: {message[1]}")
+        return message[1]

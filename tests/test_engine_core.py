@@ -1,0 +1,256 @@
+"""The engine core process and its client (no Ray): outputs equal the offline engine's, aborts and stop
+strings free KV blocks across the process boundary, the core's death fails every open request, and the
+core never outlives the process that started it.
+
+Two harnesses: `CoreClient` starts the real core process (`python -m engine.core`); `InProcessCore` runs
+the same `EngineCore` loop on a thread over a Pipe, so a test can hold the loop at a step boundary or
+swap the engine's sampler.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from multiprocessing import Pipe
+
+import pytest
+
+from engine import LLM
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.core_client import CoreClient
+from engine.errors import EngineDeadError
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from tests.serving_fixtures import ROOT, process_alive
+
+pytestmark = pytest.mark.engine
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+class Collector:
+    """on_step target: per request, the concatenated tokens/text and the final output."""
+
+    def __init__(self) -> None:
+        self.tokens: dict[str, list[int]] = {}
+        self.text: dict[str, str] = {}
+        self.finish: dict[str, list] = {}
+        self.finals: dict[str, threading.Event] = {}
+        self.steps = 0
+        self._lock = threading.Lock()
+
+    def __call__(self, outputs) -> None:
+        with self._lock:
+            self.steps += 1
+            for out in outputs:
+                key = (out.request_id,)
+                for d in out.outputs:
+                    k = f"{out.request_id}/{d.index}"
+                    self.tokens.setdefault(k, []).extend(d.token_ids)
+                    self.text[k] = self.text.get(k, "") + d.text
+                    if d.finish_reason:
+                        self.finish.setdefault(out.request_id, []).append((d.index, d.finish_reason, d.error))
+                if out.finished:
+                    self.event(key[0]).set()
+
+    def event(self, rid: str) -> threading.Event:
+        return self.finals.setdefault(rid, threading.Event())
+
+    def wait(self, rid: str, timeout: float = 60) -> None:
+        assert self.event(rid).wait(timeout), f"no final output for {rid}"
+
+
+def wait_for(predicate, timeout: float = 30, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def client(tiny_model_dir):
+    sink = Collector()
+    c = CoreClient(EngineConfig.from_kwargs(str(tiny_model_dir)), sink)
+    c.sink = sink
+    yield c
+    c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir) -> LLM:
+    return LLM(str(tiny_model_dir))
+
+
+def test_core_runs_in_a_process_of_its_own(client):
+    assert client.proc.pid != os.getpid() and client.is_alive()
+    cmdline = open(f"/proc/{client.proc.pid}/cmdline", "rb").read().split(b"\0")
+    assert b"engine.core" in cmdline
+
+
+def test_outputs_equal_the_offline_engine(client, llm):
+    """Greedy, seeded, n=2 and stop-string requests at once: text, ids and reasons as LLM.generate."""
+    prompts = ["The quick brown fox", [5, 6, 7, 8, 9], "Seven stones by the river"]
+    params = [
+        SamplingParams(max_tokens=24, **GREEDY),
+        SamplingParams(max_tokens=20, temperature=1.0, seed=11, n=2, ignore_eos=True),
+        SamplingParams(max_tokens=16, temperature=0.8, seed=5, ignore_eos=True),
+    ]
+    greedy = llm.generate(prompts[0], params[0])[0].outputs[0].text
+    stop = greedy[len(greedy) // 2 : len(greedy) // 2 + 3]
+    prompts.append(prompts[0])
+    params.append(SamplingParams(max_tokens=24, stop=[stop], **GREEDY))
+    expected = llm.generate(prompts, params)
+    rids = [client.submit(p, sp) for p, sp in zip(prompts, params)]
+    for rid in rids:
+        client.sink.wait(rid)
+    for rid, ref in zip(rids, expected):
+        for o in ref.outputs:
+            key = f"{rid}/{o.index}"
+            assert client.sink.text[key] == o.text
+            assert client.sink.tokens[key] == o.token_ids
+        assert sorted(client.sink.finish[rid]) == [(o.index, o.finish_reason, None) for o in ref.outputs]
+    assert expected[3].outputs[0].finish_reason == "stop" and stop not in expected[3].outputs[0].text
+    wait_for(lambda: client.stats()["kv_blocks_used"] == 0, what="blocks freed")
+    wait_for(lambda: client.stats()["num_running"] == 0, what="the stopped request to end in the core")
+
+
+def test_abort_frees_kv_blocks_across_the_process_boundary(client):
+    aborts = client.stats()["num_aborts"]
+    rid = client.submit([7] * 40, SamplingParams(max_tokens=3000, **GREEDY))
+    wait_for(lambda: len(client.sink.tokens.get(f"{rid}/0", [])) >= 3, what="tokens")
+    assert client.stats()["kv_blocks_used"] > 0 or len(client.sink.tokens[f"{rid}/0"]) >= 3
+    client.abort(rid)
+    wait_for(lambda: client.stats()["kv_blocks_used"] == 0, what="blocks freed")
+    wait_for(lambda: client.stats()["num_aborts"] == aborts + 1, what="the abort counted")
+    wait_for(lambda: client.stats()["num_running"] == 0, what="idle")
+    assert client.audit() == []
+
+
+def test_killing_the_core_fails_open_requests(tiny_model_dir):
+    sink = Collector()
+    c = CoreClient(EngineConfig.from_kwargs(str(tiny_model_dir)), sink)
+    try:
+        rids = [c.submit([9] * 8, SamplingParams(max_tokens=3000, **GREEDY)) for _ in range(3)]
+        wait_for(lambda: all(sink.tokens.get(f"{r}/0") for r in rids), what="tokens")
+        os.kill(c.proc.pid, signal.SIGKILL)
+        for rid in rids:
+            sink.wait(rid, 30)
+            ((index, reason, error),) = sink.finish[rid]
+            assert reason == "error" and "engine core process exited" in error
+        assert not c.is_alive()
+        with pytest.raises(EngineDeadError):
+            c.submit("hi", SamplingParams(max_tokens=2))
+    finally:
+        c.shutdown()
+
+
+def test_the_core_dies_with_the_process_that_started_it(tiny_model_dir, tmp_path):
+    """kill -9 of the starting process (a replica in the server) leaves no orphan core."""
+    script = textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {str(ROOT)!r})
+        from engine.config import EngineConfig
+        from engine.core_client import CoreClient
+        c = CoreClient(EngineConfig.from_kwargs({str(tiny_model_dir)!r}), lambda outs: None)
+        print(c.proc.pid, flush=True)
+        time.sleep(600)
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        core_pid = int(parent.stdout.readline())
+        assert process_alive(core_pid)
+        parent.kill()
+        parent.wait()
+        wait_for(lambda: not process_alive(core_pid), timeout=10, what="the core to exit")
+    finally:
+        parent.kill()
+
+
+# ---------------------------------------------------------------- the loop itself, in-process
+
+
+class InProcessCore:
+    """EngineCore on a thread over a Pipe; `gate` holds it before reading its first commands."""
+
+    def __init__(self, model_dir, **options):
+        self.engine = LLMEngine(EngineConfig.from_kwargs(str(model_dir), **options), detokenize=False)
+        self.conn, core_end = Pipe()
+        self.core = EngineCore(self.engine, core_end)
+        self.gate = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        self.gate.wait(30)
+        self.core.run()
+
+    def finals(self, want: set[str], timeout: float = 60, on_record=None) -> dict[str, tuple]:
+        """Read step messages until every request in `want` had its final record."""
+        got: dict[str, tuple] = {}
+        deadline = time.monotonic() + timeout
+        while not want <= set(got):
+            assert self.conn.poll(max(0.0, deadline - time.monotonic())), f"missing finals {want - set(got)}"
+            message = self.conn.recv()
+            for rec in message[1] if message[0] == "step" else []:
+                if on_record is not None:
+                    on_record(rec)
+                if rec[2]:
+                    got[rec[0]] = rec
+        return got
+
+    def close(self) -> None:
+        self.gate.set()
+        self.conn.send([("shutdown",)])
+        self.thread.join(10)
+
+
+def test_adds_over_the_queue_wait_in_the_core_instead_of_failing(tiny_model_dir):
+    """Two adds arrive in one batch while the scheduler's queue has room for one (max_waiting=1): the
+    replica admitted both (capacity 2 running + 1 waiting), so both must run, none may fail."""
+    core = InProcessCore(tiny_model_dir, max_num_seqs=2, max_waiting=1)
+    try:
+        params = SamplingParams(max_tokens=6, **GREEDY)
+        core.conn.send(
+            [
+                ("add", "a", [11, 12, 13, 14], params, time.time()),
+                ("add", "b", [21, 22, 23], params, time.time()),
+            ]
+        )
+        core.gate.set()
+        finals = core.finals({"a", "b"})
+        assert {rid: rec[1][-1][4] for rid, rec in finals.items()} == {"a": "length", "b": "length"}
+    finally:
+        core.close()
+
+
+def test_abort_of_a_request_still_queued_in_the_core(tiny_model_dir):
+    core = InProcessCore(tiny_model_dir, max_num_seqs=1, max_waiting=1)
+    try:
+        params = SamplingParams(max_tokens=200, **GREEDY)
+        adds = [("add", rid, [5, 6, 7], params, time.time()) for rid in "abc"]
+        core.conn.send(adds + [("abort", "c")])  # c never reached the engine's queue
+        core.gate.set()
+        assert core.finals({"c"})["c"][1][0][4] == "abort"
+        core.conn.send([("abort", "a"), ("abort", "b")])
+        assert {r[1][0][4] for r in core.finals({"a", "b"}).values()} == {"abort"}
+        wait_for(lambda: not core.engine.has_unfinished(), what="idle")
+        assert core.engine.block_manager.num_used == 0 and core.engine.stats["num_aborts"] == 3
+    finally:
+        core.close()
+
+
+def test_a_dying_loop_tells_the_replica_why(tiny_model_dir):
+    core = InProcessCore(tiny_model_dir, fault_injection=True)
+    core.gate.set()
+    prompt = core.engine.tokenizer.encode("__fault:loop__ go")
+    core.conn.send([("add", "x", prompt, SamplingParams(max_tokens=4), time.time())])
+    core.thread.join(30)
+    messages = []
+    while core.conn.poll(0.5):
+        messages.append(core.conn.recv())
+    assert messages[-1][0] == "dead" and "injected fault at loop" in messages[-1][1]

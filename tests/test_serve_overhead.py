@@ -1,0 +1,167 @@
+"""benchmarks/serve_overhead.py's pieces without Ray: CPU roles and arithmetic (proc_cpu), the report's
+ratios and acceptance lines (serve_summary), the served configuration, and the offline twin (tiny model)."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+
+import pytest
+
+from benchmarks import proc_cpu
+from benchmarks.serve_overhead import parse_variant
+from benchmarks.serve_stack import engine_options, serve_config
+from benchmarks.serve_summary import overhead_acceptance, overhead_markdown
+
+CMDLINES = {
+    "/work/main/.venv/bin/python -m engine.core 13 7374": "engine core",
+    "ray::ServeReplica:minserve:EngineDeployment ray::ServeRepli": "replica",
+    "ray::ServeReplica:minserve:EngineDeployment.generate": "replica",
+    "ray::ServeReplica:minserve:Ingress": "ingress",
+    "ray::ServeReplica:app:Ingress.handle_request_with_rejection": "ingress",
+    "ray::ProxyActor ray::ProxyActor": "proxy",
+    "ray::ServeController.listen_for_change": "controller",
+    "python -m benchmarks.serve_client --host http://127.0.0.1:8000 --users 64": "client",
+    "/v/site-packages/ray/core/src/ray/gcs/gcs_server --log_dir=/tmp/ray gcs_server": "other ray",
+    "/v/site-packages/ray/core/src/ray/raylet/raylet --raylet_socket_name=/tmp/x raylet": "other ray",
+    "/usr/bin/python3 /v/site-packages/ray/dashboard/dashboard.py --host=127.0.0.1": "other ray",
+    "ray::IDLE": "other ray",
+    "python -c from ray.serve.scripts import cli; cli() run /tmp/serve_config.yaml": "other ray",
+    "/bin/bash -c sleep 5 bash": "other",
+}
+
+
+@pytest.mark.parametrize("text,role", CMDLINES.items())
+def test_classify(text: str, role: str) -> None:
+    assert proc_cpu.classify(text) == role
+
+
+def test_assign_roles_by_ancestry() -> None:
+    procs = {
+        10: {"ppid": 1, "text": "ray::ServeReplica:minserve:EngineDeployment"},
+        11: {"ppid": 10, "text": "python -c from multiprocessing.spawn import spawn_main"},  # its core
+        12: {"ppid": 11, "text": "python helper"},  # below the core: still the core's
+        20: {"ppid": 1, "text": "python load.py"},
+        21: {"ppid": 20, "text": "python worker"},
+        30: {"ppid": 1, "text": "sleep 100"},
+    }
+    roles = proc_cpu.assign_roles(procs, clients={20})
+    assert roles == {
+        10: "replica",
+        11: "engine core",
+        12: "engine core",
+        20: "client",
+        21: "client",
+        30: "other",
+    }
+
+
+def test_summarize_cpu_arithmetic() -> None:
+    procs = {
+        1: {"ppid": 0, "text": "ray::ServeReplica:m:EngineDeployment", "first": 10.0, "last": 14.0},
+        2: {"ppid": 1, "text": "python -m engine.core", "first": 0.0, "last": 9.0},  # born in the window
+        3: {"ppid": 0, "text": "ray::ProxyActor", "first": 5.0, "last": 5.5},
+        4: {"ppid": 0, "text": "ray::ProxyActor", "first": 1.0, "last": 2.5},
+        5: {"ppid": 0, "text": "raylet", "first": 3.0, "last": 2.0},  # never negative
+    }
+    out = proc_cpu.summarize_cpu(procs, wall_s=10.0, clients=set())
+    roles = out["roles"]
+    assert roles["replica"]["cpu_s"] == pytest.approx(4.0) and roles["replica"]["cpu_pct"] == pytest.approx(
+        40.0
+    )
+    assert roles["engine core"]["cpu_pct"] == pytest.approx(90.0)
+    assert roles["proxy"] == {"cpu_s": pytest.approx(2.0), "cpu_pct": pytest.approx(20.0), "processes": 2}
+    assert roles["other ray"]["cpu_s"] == 0.0 and roles["client"]["processes"] == 0
+    assert [p["pid"] for p in out["processes"]][:2] == [2, 1]  # busiest first
+
+
+def test_sampler_sees_a_busy_child() -> None:
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 3: pass"]
+    )
+    try:
+        sampler = proc_cpu.CpuSampler(clients={child.pid}, interval=0.2).start()
+        time.sleep(0.8)
+        out = sampler.stop()
+    finally:
+        child.kill()
+        child.wait()
+    assert out["roles"]["client"]["processes"] == 1 and out["roles"]["client"]["cpu_pct"] > 5
+    assert out["wall_s"] == pytest.approx(0.8, abs=0.5)
+
+
+def _run(variant: str, stack: str, users: int, tok_s: float, ttft_p50: float, **extra) -> dict:
+    summary = {"output_tok_s": tok_s, "failures": 0, "ttft_ms": {"p50": ttft_p50, "p99": 2 * ttft_p50},
+               "itl_ms": {"p50": 10.0, "p99": 30.0}}  # fmt: skip
+    return {
+        "variant": variant,
+        "stack": stack,
+        "users": users,
+        "summary": summary,
+        "cpu": {"replica": 50.0},
+        **extra,
+    }
+
+
+def test_acceptance_and_markdown() -> None:
+    runs = [
+        _run("-", "offline", 64, 1000.0, 100.0),
+        _run("-", "offline", 256, 2000.0, 300.0),
+        _run("default", "served", 64, 900.0, 120.0),  # 90% >= 85%; +20 ms <= 25 ms
+        _run("default", "served", 256, 1500.0, 500.0),  # 75% < 80%
+        _run("default", "null", 64, 980.0, 50.0, null_step_ms=64.0, ideal_tok_s=1000.0),
+        _run("tput", "served", 64, 800.0, 140.0),  # 80% < 85%; +40 ms > 25 ms
+        {"variant": "tput", "stack": "served", "users": 256, "error": "RuntimeError: no answer"},
+    ]
+    checks = {(c["variant"], c["users"], c["unit"]): c for c in overhead_acceptance(runs)}
+    assert (
+        checks["default", 64, "ratio"]["value"] == pytest.approx(0.9)
+        and checks["default", 64, "ratio"]["pass"]
+    )
+    assert checks["default", 256, "ratio"]["value"] == pytest.approx(0.75)
+    assert checks["default", 256, "ratio"]["pass"] is False
+    assert checks["default", 64, "ms"]["value"] == pytest.approx(20.0) and checks["default", 64, "ms"]["pass"]
+    assert checks["tput", 64, "ratio"]["pass"] is False and checks["tput", 64, "ms"]["pass"] is False
+    assert checks["tput", 256, "ratio"]["pass"] is None  # errored: not measurable
+    md = overhead_markdown({"runs": runs, "acceptance": list(checks.values()), "model": "m", "settings": {}})
+    assert "| default | served | 64 | 900 | 90.0% |" in md
+    assert "| default | null | 64 | 980 | 98.0% | 1,000 (64.00 ms) |" in md
+    assert "- PASS (default, 64 users) served out tok/s >= 85% of offline: 90.0%" in md
+    assert "- FAIL (default, 256 users) served out tok/s >= 80% of offline: 75.0%" in md
+    assert "- FAIL (tput, 64 users) served TTFT p50 <= offline TTFT p50 + 25 ms: +40.0 ms over offline" in md
+    assert "- n/a (tput, 256 users)" in md and "RuntimeError: no answer" in md
+
+
+def test_serve_config_and_variants() -> None:
+    cfg = serve_config("cuda", "/ckpt", 8123, 256, null_step_ms=12.3456)
+    args = cfg["applications"][0]["args"]
+    assert cfg["http_options"]["port"] == 8123 and args["model"] == "/ckpt" and args["num_gpus"] == 1
+    assert args["max_ongoing_requests"] == 512 and args["null_core_step_ms"] == 12.346
+    assert args["engine"]["max_num_seqs"] == 256 and args["engine"]["gpu_memory_utilization"] == 0.85
+    assert "cpu_kv_cache_bytes" not in args["engine"] and engine_options("cuda") == args["engine"]
+    cpu = serve_config("cpu", "/ckpt", 8000, 4)["applications"][0]["args"]
+    assert cpu["num_gpus"] == 0 and cpu["max_ongoing_requests"] == 256 and "null_core_step_ms" not in cpu
+    assert parse_variant("tput=RAY_SERVE_THROUGHPUT_OPTIMIZED=1,A=b=c") == (
+        "tput",
+        {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "A": "b=c"},
+    )
+    with pytest.raises(SystemExit):
+        parse_variant("novalue")
+
+
+@pytest.mark.engine
+def test_offline_twin_on_tiny_model(tiny_model_dir) -> None:
+    from benchmarks.offline_twin import run_twin
+
+    args = argparse.Namespace(model=str(tiny_model_dir), users=2, spawn_rate=16.0, duration=2.5, warmup=0.3,
+                              workload="W2", gen_scale=0.05, prompt_scale=0.05, seed=0,
+                              engine_json=None)  # fmt: skip
+    out = run_twin(args)
+    assert out["requests"] >= 1 and out["failures"] == 0
+    # ignore_eos: a completed request emits exactly max_tokens, all of which the loop counted
+    assert out["output_tok_s"] * out["elapsed_s"] == pytest.approx(out["completed_max_tokens"])
+    assert out["ttft_ms"]["count"] == out["requests"] and out["ttft_ms"]["p99"] is not None
+    assert out["itl_ms"]["count"] > 0 and out["itl_ms"]["p50"] > 0 and out["e2e_ms"]["p50"] > 0
+    assert out["engine_options"] == engine_options("cpu") and out["cpu"]["offline twin"] > 0

@@ -1,0 +1,95 @@
+"""The engine core process across the server's lifecycle, with the real `serve run` command line.
+
+`serve run` starts its own local Ray (as a user's shell would); the test then kills the engine replica
+with SIGKILL (its core must go with it, and Serve must bring up a new replica and core), and Ctrl-C's
+`serve run` (no Ray process and no core may stay behind). `serve shutdown` is Serve's API shutdown,
+which tests/test_serving.py's server fixture checks at its end.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from tests.serving_fixtures import ROOT, _free_port, process_alive
+
+pytestmark = [pytest.mark.serving, pytest.mark.slow]
+# SIGINT raises KeyboardInterrupt also when this test runs where SIGINT is ignored (a background job)
+SERVE = [
+    sys.executable,
+    "-c",
+    "import signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "from ray.serve.scripts import cli; cli()",
+]
+
+
+def _wait(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
+        time.sleep(0.5)
+
+
+def _session_pids(sid: int) -> list[int]:
+    """Processes left in the session `serve run` was started in (Ray workers and our cores)."""
+    out = subprocess.run(["ps", "-eo", "pid=,sid="], capture_output=True, text=True).stdout
+    return [int(p) for p, s in (line.split() for line in out.splitlines()) if int(s) == sid]
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _config(tmp_path: Path, model_dir: Path, port: int) -> Path:
+    config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+    config["http_options"]["port"] = port
+    config["applications"][0]["args"]["model"] = str(model_dir)
+    path = tmp_path / "serve_config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def test_no_core_outlives_its_replica_or_the_server(tiny_model_dir, tmp_path):
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {
+        **os.environ,
+        "RAY_ADDRESS": "local",
+        "PYTHONPATH": str(ROOT),
+        "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+    }
+    log = open(tmp_path / "serve.log", "w")
+    proc = subprocess.Popen(
+        [*SERVE, "run", str(_config(tmp_path, tiny_model_dir, port))],
+        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    try:
+        _wait(lambda: _healthy(url), 180, "serve run to come up")
+        first = httpx.get(f"{url}/v1/engine/stats", timeout=10).json()
+        os.kill(first["pid"], signal.SIGKILL)  # the engine replica
+        _wait(lambda: not process_alive(first["core_pid"]), 10, "the core of the killed replica to exit")
+        _wait(lambda: _healthy(url), 180, "Serve to replace the killed replica")
+        second = httpx.get(f"{url}/v1/engine/stats", timeout=10).json()
+        assert second["core_pid"] != first["core_pid"] and process_alive(second["core_pid"])
+
+        proc.send_signal(signal.SIGINT)  # Ctrl-C
+        proc.wait(120)
+        _wait(lambda: not process_alive(second["core_pid"]), 30, "Ctrl-C to end the core")
+        _wait(lambda: not _session_pids(proc.pid), 30, "every process of serve run's session to exit")
+    finally:
+        for pid in _session_pids(proc.pid):
+            os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
