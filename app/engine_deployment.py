@@ -30,12 +30,13 @@ import os
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 from ray import serve
 
 from app.errors import ApiError, from_engine_error, internal, overloaded
 from app.metrics import ServerMetrics
+from app.streaming import Pacer, Stream, to_wire
 from engine.config import EngineConfig
 from engine.errors import EngineError
 from engine.outputs import RequestOutput
@@ -44,76 +45,6 @@ from engine.sampling_params import SamplingParams
 logger = logging.getLogger("ray.serve")
 ITL_FLUSH_S = 0.1
 SWITCH_INTERVAL_S = 0.001
-
-
-def _empty_sample(index: int) -> dict:
-    return {
-        "index": index,
-        "text": "",
-        "token_ids": [],
-        "logprobs": None,
-        "finish_reason": None,
-        "error": None,
-    }
-
-
-def to_wire(outs: list[RequestOutput], token_text: Callable[[int], str]) -> dict:
-    """Merge consecutive outputs of one request (deltas, in order) into one item.
-
-    Per sample index: text and token ids concatenate; finish_reason/error come from the delta that set
-    them. Usage counts are cumulative in the engine, so the last output's values are the current ones.
-    Logprobs carry token strings (the ingress has no tokenizer): {"token", "logprob", "top": [(str, lp)]}.
-    """
-    samples: dict[int, dict] = {}
-    for out in outs:
-        for d in out.outputs:
-            s = samples.setdefault(d.index, _empty_sample(d.index))
-            s["text"] += d.text
-            s["token_ids"].extend(d.token_ids)
-            if d.logprobs:
-                entries = [
-                    {"token": token_text(lp.token_id), "logprob": lp.logprob,
-                     "top": [(token_text(t), v) for t, v in lp.top]}
-                    for lp in d.logprobs
-                ]  # fmt: skip
-                s["logprobs"] = (s["logprobs"] or []) + entries
-            if d.finish_reason is not None:
-                s["finish_reason"], s["error"] = d.finish_reason, d.error
-    last = outs[-1]
-    return {
-        "kind": "output",
-        "outputs": [samples[i] for i in sorted(samples)],
-        "finished": last.finished,
-        "prompt_tokens": last.prompt_tokens,
-        "completion_tokens": last.completion_tokens,
-        "cached_tokens": last.cached_tokens,
-    }
-
-
-class Pacer:
-    """How long a stream waits between items: open streams / stream_items_per_s, at least min_interval_s.
-
-    The first item never waits. The budget is per replica: with several ingress or engine replicas the
-    proxy sees their sum, so it is sized for one proxy per engine replica (serve_config.yaml)."""
-
-    def __init__(self, min_interval_s: float, items_per_s: float):
-        self.min_interval_s = min_interval_s
-        self.items_per_s = items_per_s
-
-    def interval(self, open_streams: int) -> float:
-        return max(self.min_interval_s, open_streams / self.items_per_s)
-
-
-class _Stream:
-    """One request's outputs waiting to be yielded; filled by `_fan_out` on the event loop."""
-
-    __slots__ = ("outs", "wake", "prev_token_t", "gap_sum", "gaps")
-
-    def __init__(self) -> None:
-        self.outs: list[RequestOutput] = []
-        self.wake = asyncio.Event()
-        self.prev_token_t: float | None = None  # when the last step that brought tokens reached us
-        self.gap_sum, self.gaps = 0.0, 0  # inter-token gaps since the last yield
 
 
 def _log_finished(out: RequestOutput) -> None:
@@ -154,7 +85,7 @@ class EngineDeployment:
         from engine.core_client import CoreClient  # the tokenizer is loaded only inside the replica
 
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop serving `generate`, set on first use
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, Stream] = {}
         self._flush_scheduled = False
         # Several threads share this process's GIL (the event loop, the core client's reader, Ray's own):
         # a thread woken by I/O should not wait the default 5 ms for the running one to yield.
@@ -179,7 +110,7 @@ class EngineDeployment:
         if isinstance(rid, ApiError):
             yield rid
             return
-        stream = self._streams[rid] = _Stream()
+        stream = self._streams[rid] = Stream()
         finished = False
         try:
             yield {"kind": "accepted", "request_id": rid}
@@ -221,7 +152,7 @@ class EngineDeployment:
         self._flush_scheduled = False
         self.engine.flush()
 
-    async def _coalesce(self, stream: _Stream) -> AsyncIterator[dict]:
+    async def _coalesce(self, stream: Stream) -> AsyncIterator[dict]:
         """Yield the first output at once, then whatever arrived by the end of each stream interval."""
         last_yield: float | None = None
         while True:

@@ -1,0 +1,82 @@
+"""Stream items of the engine deployment: merging a request's outputs into one item, and pacing items.
+
+Every item is one message through Serve and one SSE event through the HTTP front, so how many there
+are per second, not how many tokens, is what the serving path pays for (see `Pacer`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from engine.outputs import RequestOutput
+
+
+def _empty_sample(index: int) -> dict:
+    return {
+        "index": index,
+        "text": "",
+        "token_ids": [],
+        "logprobs": None,
+        "finish_reason": None,
+        "error": None,
+    }
+
+
+def to_wire(outs: list[RequestOutput], token_text: Callable[[int], str]) -> dict:
+    """Merge consecutive outputs of one request (deltas, in order) into one item.
+
+    Per sample index: text and token ids concatenate; finish_reason/error come from the delta that set
+    them. Usage counts are cumulative in the engine, so the last output's values are the current ones.
+    Logprobs carry token strings (the ingress has no tokenizer): {"token", "logprob", "top": [(str, lp)]}.
+    """
+    samples: dict[int, dict] = {}
+    for out in outs:
+        for d in out.outputs:
+            s = samples.setdefault(d.index, _empty_sample(d.index))
+            s["text"] += d.text
+            s["token_ids"].extend(d.token_ids)
+            if d.logprobs:
+                entries = [
+                    {"token": token_text(lp.token_id), "logprob": lp.logprob,
+                     "top": [(token_text(t), v) for t, v in lp.top]}
+                    for lp in d.logprobs
+                ]  # fmt: skip
+                s["logprobs"] = (s["logprobs"] or []) + entries
+            if d.finish_reason is not None:
+                s["finish_reason"], s["error"] = d.finish_reason, d.error
+    last = outs[-1]
+    return {
+        "kind": "output",
+        "outputs": [samples[i] for i in sorted(samples)],
+        "finished": last.finished,
+        "prompt_tokens": last.prompt_tokens,
+        "completion_tokens": last.completion_tokens,
+        "cached_tokens": last.cached_tokens,
+    }
+
+
+class Pacer:
+    """How long a stream waits between items: open streams / stream_items_per_s, at least min_interval_s.
+
+    The first item never waits. The budget is per replica: with several ingress or engine replicas the
+    proxy sees their sum, so it is sized for one proxy per engine replica (serve_config.yaml)."""
+
+    def __init__(self, min_interval_s: float, items_per_s: float):
+        self.min_interval_s = min_interval_s
+        self.items_per_s = items_per_s
+
+    def interval(self, open_streams: int) -> float:
+        return max(self.min_interval_s, open_streams / self.items_per_s)
+
+
+class Stream:
+    """One request's outputs waiting to be yielded; filled by `_fan_out` on the event loop."""
+
+    __slots__ = ("outs", "wake", "prev_token_t", "gap_sum", "gaps")
+
+    def __init__(self) -> None:
+        self.outs: list[RequestOutput] = []
+        self.wake = asyncio.Event()
+        self.prev_token_t: float | None = None  # when the last step that brought tokens reached us
+        self.gap_sum, self.gaps = 0.0, 0  # inter-token gaps since the last yield
