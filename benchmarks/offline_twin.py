@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks.serve_client import draw, summarize, user_rng
+from benchmarks.serve_client import add_load_args, draw, summarize, user_rng
 
 WARMUP_SEED = 999_983  # warm-up prompts share nothing with a measured window's (prefix cache)
 
@@ -164,16 +164,9 @@ def _default_options() -> dict:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="checkpoint directory")
-    p.add_argument("--users", type=int, default=64)
-    p.add_argument("--spawn-rate", type=float, default=16.0, help="users started per second")
-    p.add_argument("--duration", type=float, default=40.0, help="measured seconds")
+    add_load_args(p, duration=40.0)
     p.add_argument("--warmup", type=float, default=5.0, help="seconds of unmeasured load first")
-    p.add_argument("--workload", default="W2", help="W1, W2, W3 or a mix like W1:1,W2:3")
-    p.add_argument("--gen-scale", type=float, default=1.0)
-    p.add_argument("--prompt-scale", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--engine-json", default=None, help="EngineConfig.from_kwargs options as JSON")
-    p.add_argument("--out", required=True, help="directory for summary.json")
     args = p.parse_args(argv)
     summary = run_twin(args)
     out = Path(args.out)

@@ -119,17 +119,22 @@ def summarize(results: list[dict], elapsed: float, facts: dict) -> dict:
             "ttft_ms": percentiles(ttft), "itl_ms": percentiles(itl), "e2e_ms": percentiles(e2e)}  # fmt: skip
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--host", default="http://127.0.0.1:8000")
+def add_load_args(p: argparse.ArgumentParser, duration: float) -> None:
+    """The closed-loop load's options, shared with benchmarks.offline_twin (the same requests)."""
     p.add_argument("--users", type=int, default=64)
     p.add_argument("--spawn-rate", type=float, default=16.0, help="users started per second")
-    p.add_argument("--duration", type=float, default=60.0, help="seconds")
+    p.add_argument("--duration", type=float, default=duration, help="measured seconds")
     p.add_argument("--workload", default="W2", help="W1, W2, W3 or a mix like W1:1,W2:3")
     p.add_argument("--gen-scale", type=float, default=1.0)
     p.add_argument("--prompt-scale", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="directory for summary.json")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--host", default="http://127.0.0.1:8000")
+    add_load_args(p, duration=60.0)
     args = p.parse_args(argv)
     summary = asyncio.run(run(args))
     out = Path(args.out)
