@@ -101,16 +101,14 @@ class LLMEngine:
         self.stats["prompt_tokens_total"] += len(ids)
         return request_id
 
-    def abort(self, request_id: str, reason: str = "abort") -> RequestOutput | None:
-        """Finish the request now and free its blocks; returns its final output (or None if unknown).
-
-        reason "stop": the caller found a stop string in the text (a server leaves text to its replica)."""
-        request = self._abort(request_id, reason)
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Finish the request now and free its blocks; returns its final output (or None if unknown)."""
+        request = self._abort(request_id)
         return self._finish_output(request) if request is not None else None
 
-    def abort_record(self, request_id: str, reason: str = "abort") -> Record | None:
+    def abort_record(self, request_id: str) -> Record | None:
         """`abort` for the engine core: the request's final record instead of a RequestOutput."""
-        request = self._abort(request_id, reason)
+        request = self._abort(request_id)
         return self._finish_record(request) if request is not None else None
 
     def stop_sample(self, request_id: str, index: int) -> None:
@@ -124,13 +122,12 @@ class LLMEngine:
             self.scheduler.finish(seq, "stop")
         self._touched[request_id] = request
 
-    def _abort(self, request_id: str, reason: str) -> Request | None:
+    def _abort(self, request_id: str) -> Request | None:
         request = self.requests.get(request_id)
         if request is None:
             return None
-        self.scheduler.abort(request, reason)
-        if reason == "abort":
-            self.stats["num_aborts"] += 1
+        self.scheduler.abort(request, "abort")
+        self.stats["num_aborts"] += 1
         return request
 
     def has_unfinished(self) -> bool:
