@@ -88,7 +88,7 @@ def _absorb(outs, t: float, live: dict, idle: list[_User], results: list) -> int
         if out.finished or errors:
             del live[out.request_id]
             results.append({"ok": not errors, "start": rec.start, "times": rec.times, "end": t,
-                            "tokens": rec.tokens, "max_tokens": rec.max_tokens,
+                            "tokens": rec.tokens, "max_tokens": rec.max_tokens, "metrics": out.metrics,
                             "error": errors[0] if errors else None})  # fmt: skip
             rec.user.ready_at = t
             idle.append(rec.user)
@@ -138,6 +138,7 @@ def run_twin(args) -> dict:
         closed_loop(engine, args, facts, WARMUP_SEED, args.warmup)
     run = closed_loop(engine, args, facts, args.seed, args.duration)
     out = summarize(run["results"], run["elapsed"], facts)
+    out["latency"] = _latency(run["results"])
     steady = run["steady_tokens"] / run["steady_s"] if run["steady_s"] > 0 else None
     out.update(source="benchmarks.offline_twin", users=args.users, spawn_rate=args.spawn_rate,
                seed=args.seed, warmup_s=args.warmup, steady_out_tok_s=steady, load_s=load_s,
@@ -145,6 +146,19 @@ def run_twin(args) -> dict:
                cpu={"offline twin": 100 * run["cpu_s"] / run["elapsed"]},
                completed_max_tokens=sum(r["max_tokens"] for r in run["results"] if r["ok"]))  # fmt: skip
     return out
+
+
+def _latency(results: list[dict]) -> dict:
+    """The engine's own view, as the served replica logs it: ms from add_request to first scheduled
+    (queue) and to the first token sampled (engine TTFT)."""
+    from benchmarks.serve_summary import percentiles
+
+    ms = lambda m, t: 1000 * (t - m.arrival_time)
+    done = [r["metrics"] for r in results if r["ok"] and r.get("metrics")]
+    return {
+        "queue_ms": percentiles([ms(m, m.first_scheduled_time) for m in done if m.first_scheduled_time]),
+        "engine_ttft_ms": percentiles([ms(m, m.first_token_time) for m in done if m.first_token_time]),
+    }
 
 
 def _torch_threads() -> int:

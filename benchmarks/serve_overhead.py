@@ -44,6 +44,8 @@ from benchmarks.serve_stack import (
     host_facts,
     log,
     profile_server,
+    replica_latencies,
+    replica_log_marks,
     serve_config,
 )
 from benchmarks.serve_summary import overhead_acceptance, overhead_markdown
@@ -69,7 +71,7 @@ def run_offline(args, ctx: dict, users: int) -> dict:
     if res.returncode:
         raise RuntimeError(f"offline twin failed ({res.returncode}): {res.stderr[-1500:]}")
     summary = json.loads((out / "summary.json").read_text())
-    return {"summary": summary, "cpu": summary.get("cpu", {})}
+    return {"summary": summary, "latency": summary.pop("latency", None), "cpu": summary.get("cpu", {})}
 
 
 def run_client(args, server: Server, users: int, seed: int, duration: float, name: str) -> dict:
@@ -77,6 +79,7 @@ def run_client(args, server: Server, users: int, seed: int, duration: float, nam
     out, log_path = server.run_dir / name, server.run_dir / f"{name}.log"
     cmd = [PY, "-m", "benchmarks.serve_client", "--host", server.url, "--out", str(out),
            *_load_args(args, users, seed, duration)]  # fmt: skip
+    marks = replica_log_marks()
     with open(log_path, "w") as f:
         client = subprocess.Popen(cmd, cwd=ROOT, env=server.env, stdout=f, stderr=subprocess.STDOUT)
     try:
@@ -94,7 +97,8 @@ def run_client(args, server: Server, users: int, seed: int, duration: float, nam
     if rc:
         raise RuntimeError(f"serve_client failed ({rc}): {log_path.read_text()[-800:]}")
     cpu["processes"] = cpu["processes"][:20]
-    return {"summary": json.loads((out / "summary.json").read_text()),
+    time.sleep(1.5)  # the replica writes its buffered log lines once a second
+    return {"summary": json.loads((out / "summary.json").read_text()), "latency": replica_latencies(marks),
             "cpu": {r: v["cpu_pct"] for r, v in cpu["roles"].items()}, "cpu_detail": cpu}  # fmt: skip
 
 

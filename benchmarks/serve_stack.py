@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -152,6 +153,36 @@ class Server:
             while session_pids(proc.pid) and time.monotonic() - t0 < wait:
                 time.sleep(0.5)
         proc.poll()
+
+
+# Ray's default session directory (serve run starts a local Ray; RAY_ADDRESS=local)
+SERVE_LOGS = Path("/tmp/ray/session_latest/logs/serve")
+# the tail of app/engine_deployment._log_finished's line: ms from the request's arrival in the replica
+_LATENCY = re.compile(r"queue (\S+) ms, engine ttft (\S+) ms, ttft (\S+) ms, e2e (\S+) ms")
+LATENCY_KEYS = ("queue_ms", "engine_ttft_ms", "replica_ttft_ms", "replica_e2e_ms")
+
+
+def replica_log_marks() -> dict[Path, int]:
+    """The size of every engine replica log now: a measured window's lines are the ones after it."""
+    return {p: p.stat().st_size for p in SERVE_LOGS.glob("replica_*EngineDeployment*.log")}
+
+
+def replica_latencies(marks: dict[Path, int]) -> dict:
+    """Percentiles of the replica's per-request lines written since `marks`: where a request's time to
+    first token goes, from its arrival in the replica (queue: until the core first scheduled it; engine
+    ttft: until the core sampled its first token; replica ttft: until the replica had it)."""
+    from benchmarks.serve_summary import percentiles
+
+    values: dict[str, list[float]] = {k: [] for k in LATENCY_KEYS}
+    for path in replica_log_marks():
+        with open(path, "rb") as f:
+            f.seek(marks.get(path, 0))
+            text = f.read().decode(errors="replace")
+        for match in _LATENCY.finditer(text):
+            for key, cell in zip(LATENCY_KEYS, match.groups(), strict=True):
+                if cell != "-":
+                    values[key].append(float(cell))
+    return {k: percentiles(v) for k, v in values.items()}
 
 
 def profile_server(server: Server, name: str, delay: float, seconds: float) -> None:

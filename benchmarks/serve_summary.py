@@ -141,6 +141,25 @@ def _check_value(c: dict) -> str:
     return f"{c['value']:.1%}" if c["unit"] == "ratio" else f"{c['value']:+.1f} ms over offline"
 
 
+LATENCY_COLS = (("queue_ms", "queue"), ("engine_ttft_ms", "engine TTFT"), ("replica_ttft_ms", "replica TTFT"))
+
+
+def _latency_table(runs: list[dict]) -> list[str]:
+    """Where the time to first token goes, p50 in ms from the request's arrival at the engine (the
+    replica when served; from the replica's log lines) next to the client's TTFT p50."""
+    rows = [r for r in runs if r.get("latency")]
+    if not rows:
+        return []
+    head = ["variant", "stack", "users", "client TTFT", *(name for _, name in LATENCY_COLS)]
+    lines = ["", "### Where TTFT goes (p50, ms from arrival at the engine)", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]  # fmt: skip
+    for r in rows:
+        cells = [_f((r["latency"].get(k) or {}).get("p50"), 1) for k, _ in LATENCY_COLS]
+        client = _f(_metric(r, "ttft_ms", "p50"), 1)
+        lines.append("| " + " | ".join([r["variant"], r["stack"], str(r["users"]), client, *cells]) + " |")
+    return lines
+
+
 def overhead_markdown(report: dict) -> str:
     """serve_overhead's table: one row per (variant, stack, users), then the acceptance lines."""
     runs, host = report.get("runs", []), report.get("host") or {}
@@ -156,6 +175,7 @@ def overhead_markdown(report: dict) -> str:
              "CPU s / wall s x 100 (offline: the twin's one process, engine and load loop)", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]  # fmt: skip
     lines += [_overhead_row(r, offline) for r in runs]
+    lines += _latency_table(runs)
     lines += ["", "### Acceptance", ""]
     if not report.get("acceptance"):
         at = ", ".join(str(u) for u, _ in OVERHEAD_TARGETS)

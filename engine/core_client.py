@@ -193,12 +193,12 @@ class CoreClient:
     def _outputs(self, records: list) -> list[RequestOutput]:
         now = time.time()
         outputs, stops = [], []
-        for rid, samples, finished, cached, scheduled in records:
+        for rid, samples, finished, cached, times in records:
             live = self._live.get(rid)
             if live is None:
                 continue  # aborted by the caller, or already ended here (stop string, failure)
             try:
-                out = live.absorb(samples, finished, cached, scheduled, now, self._faults)
+                out = live.absorb(samples, finished, cached, times, now, self._faults)
             except Exception as exc:  # a failure in this request's text work fails it alone
                 log.error("request %s failed: %s", rid, exc)
                 out = live.fail(f"{type(exc).__name__}: {exc}", now)

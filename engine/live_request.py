@@ -42,13 +42,15 @@ class LiveRequest:
         samples: list,
         finished: bool,
         cached: int,
-        scheduled: float | None,
+        times: tuple[float | None, float | None] | None,
         now: float,
         faults: FaultInjector,
     ) -> RequestOutput:
-        """One core record -> the RequestOutput of this step (text deltas, finish reasons)."""
+        """One core record -> the RequestOutput of this step (text deltas, finish reasons). `times`, on
+        the final record only: when the core first scheduled the request and sampled its first token."""
         self.cached_tokens = cached or self.cached_tokens
-        self.metrics.first_scheduled_time = self.metrics.first_scheduled_time or scheduled
+        if times is not None:
+            self.metrics.first_scheduled_time, self.metrics.engine_token_time = times
         faults.check("detokenize", self)
         deltas = [d for d in (self._delta(*s) for s in samples) if d is not None]
         if any(d.token_ids for d in deltas):

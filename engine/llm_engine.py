@@ -34,9 +34,11 @@ from engine.tokenizer import Tokenizer
 
 log = logging.getLogger("engine")
 # What the engine core sends per request and step (engine/core.py): request id, samples, finished,
-# cached prompt tokens, first-scheduled time. A sample: (index, token ids, masks, logprobs or None,
-# finish reason or None, error or None, whether the last token is a stop token / EOS).
-Record = tuple[str, list[tuple], bool, int, float | None]
+# cached prompt tokens, and on the final record only the engine's timestamps (first scheduled, first
+# token sampled; None otherwise: the replica needs them only when the request ends). A sample: (index,
+# token ids, masks, logprobs or None, finish reason or None, error or None, whether the last token is
+# a stop token / EOS).
+Record = tuple[str, list[tuple], bool, int, tuple[float | None, float | None] | None]
 
 
 class LLMEngine:
@@ -210,7 +212,8 @@ class LLMEngine:
             if seq.finished:
                 continue  # e.g. a stop string ended it while this step was already in flight
             self._touched[request.request_id] = request
-            request.metrics.first_token_time = request.metrics.first_token_time or now
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = request.metrics.engine_token_time = now
             request.metrics.last_token_time = now
             try:
                 reason = self.processor.append(seq, token, logprob)
@@ -296,14 +299,9 @@ class LLMEngine:
         return self._record(request)
 
     def _record(self, request: Request) -> Record:
-        samples = list(self._take_samples(request))
-        return (
-            request.request_id,
-            samples,
-            request.finished,
-            request.cached_tokens,
-            request.metrics.first_scheduled_time,
-        )
+        samples, m = list(self._take_samples(request)), request.metrics
+        times = (m.first_scheduled_time, m.first_token_time) if request.finished else None
+        return request.request_id, samples, request.finished, request.cached_tokens, times
 
     def _take_samples(self, request: Request):
         """Per sample with news: (index, ids, masks, logprobs, finish reason, error, text or stop-token

@@ -23,7 +23,7 @@ from engine.faults import FaultInjector
 class _NullRequest:
     def __init__(self, rid: str, ids: list[int], params, arrival: float):
         self.request_id, self.prompt_ids, self.params = rid, ids, params
-        self.arrival, self.emitted, self.first_scheduled = arrival, 0, None
+        self.arrival, self.emitted, self.first_scheduled, self.first_token = arrival, 0, None, None
 
 
 class NullEngine:
@@ -71,13 +71,15 @@ class NullEngine:
             request = self.waiting.popleft()
             request.first_scheduled = time.time()
             self.running.append(request)
-        records, still = [], []
+        records, still, now = [], [], time.time()
         for r in self.running:
             token = 8 + (hash(r.request_id) + r.emitted) % (self.limits.vocab_size - 8)
             r.emitted += 1
+            r.first_token = r.first_token or now
             done = r.emitted >= r.params.max_tokens
             sample = (0, [token], [1], None, "length" if done else None, None, False)
-            records.append((r.request_id, [sample], done, 0, r.first_scheduled))
+            times = (r.first_scheduled, r.first_token) if done else None
+            records.append((r.request_id, [sample], done, 0, times))
             if done:
                 self._drop(r)
             else:
@@ -95,7 +97,8 @@ class NullEngine:
             self.waiting.remove(request)
         self._drop(request)
         self.stats["num_aborts"] += reason == "abort"
-        return (rid, [(0, [], [], None, reason, None, False)], True, 0, request.first_scheduled)
+        times = (request.first_scheduled, request.first_token)
+        return (rid, [(0, [], [], None, reason, None, False)], True, 0, times)
 
     def stop_sample(self, rid: str, index: int) -> None:
         self.abort_record(rid, "stop")

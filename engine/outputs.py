@@ -30,6 +30,9 @@ class RequestMetrics:
     arrival_time: float
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    # when the engine sampled the first token, by its own clock: in the server that is the engine core
+    # process, and first_token_time is when the replica received it; offline the two are equal
+    engine_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
 

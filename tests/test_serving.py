@@ -202,6 +202,24 @@ def test_the_engine_runs_in_a_process_of_its_own(server):
     assert parent == replica  # started and owned by the replica
 
 
+def test_one_log_line_per_request_shows_within_seconds(server, client):
+    """Serve's throughput mode buffers replica logs by 1000 records; the replica writes them out every
+    stats interval, so a finished request's one INFO line, with its timings, is in the log at once."""
+    done = client.completions.create(model=server.model, prompt=PROMPT, max_tokens=3, temperature=0.0)
+    pattern = re.compile(
+        rf"request {re.escape(done.id)}\S* length: prompt \d+, completion 3, cached \d+ tokens; "
+        r"queue [\d.]+ ms, engine ttft [\d.]+ ms, ttft [\d.]+ ms, e2e [\d.]+ ms"
+    )
+    logs = f"{server.session_dir}/logs/serve"
+    deadline = time.monotonic() + 5
+    while True:
+        text = "".join(open(f"{logs}/{n}").read() for n in os.listdir(logs) if "EngineDeployment" in n)
+        if len(pattern.findall(text)) == 1:
+            break
+        assert time.monotonic() < deadline, f"no log line for {done.id} in {logs} after 5 s"
+        time.sleep(0.2)
+
+
 def test_raw_sse_framing(server):
     body = {"model": server.model, "prompt": PROMPT, "max_tokens": 6, "stream": True, "ignore_eos": True}
     resp = _post(server, "/v1/completions", body)
