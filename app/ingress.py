@@ -58,7 +58,7 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
     field = path[0] if path else None  # the top-level request field; the message carries the full path
     where = ".".join(path) or "body"
     if first["type"] == "extra_forbidden":
-        message = f"unknown field '{where}': remove it (see the OpenAI API reference and the README)"
+        message = f"unknown field '{where}': remove it (see docs/api.md for the fields this server takes)"
     elif first["type"] == "missing":
         message = f"{where}: field required"
     else:

@@ -2,8 +2,9 @@
 
     python -m benchmarks.core_transport --out benchmarks/reports/core_transport
 
-The core sends ("step", records, stats) once per step through multiprocessing.connection over a Unix
-socketpair (pickle protocol 5); the replica's reader thread receives it. This times, per message of N
+The core sends a Step(records, stats) (engine/core_messages.py) once per step through
+multiprocessing.connection over a Unix socketpair (pickle protocol 5); the replica's reader thread
+receives it. This times, per message of N
 decode records (one token each, as in a decode step of N sequences): the core's pickling, its send,
 and the receiving process's unpickling, with the receiver in a process of its own as in serving.
 Writes OUT.json and OUT.md.
@@ -19,13 +20,14 @@ import time
 from pathlib import Path
 
 from benchmarks.common import environment, write_report
+from engine.core_messages import Step
 
 REPEATS = 3000
 
 
-def step_message(n: int) -> tuple:
+def step_message(n: int) -> Step:
     sample = (0, [12345], [1], None, None, None, False)
-    return ("step", [(f"cmpl-{i:032x}-0", [sample], False, 0, 1.7e9) for i in range(n)], None)
+    return Step([(f"cmpl-{i:032x}-0", [sample], False, 0, None) for i in range(n)], None)
 
 
 def _receiver(conn, repeats: int, out) -> None:

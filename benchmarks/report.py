@@ -2,7 +2,7 @@
 
     python -m benchmarks.report --out benchmarks/reports            # rebuild from <out>/parts/
     python -m benchmarks.report --out benchmarks/reports --replot   # markdown + PNG from benchmark.json only
-    python -m benchmarks.report --out DIR --serve DIR/serve         # add a serving run (serve_w2.sh)
+    python -m benchmarks.report --out DIR --serve RUN               # add a serving run (serve_client's)
     python -m benchmarks.report --out DIR --merge RUN1 RUN2         # one report from split GPU runs
 
 The PNG needs matplotlib; without it the PNG is skipped with a note (re-plot elsewhere with --replot).
@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="benchmarks/reports")
     p.add_argument("--replot", action="store_true", help="markdown + PNG from benchmark.json only")
-    p.add_argument("--serve", help="directory of a serve_w2.sh run to add to the report")
+    p.add_argument("--serve", help="a directory holding a serve_client summary.json")
     p.add_argument(
         "--merge", nargs="+", metavar="RUN", help="output directories of runs to combine into --out"
     )

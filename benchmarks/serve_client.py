@@ -2,7 +2,7 @@
 
     python -m benchmarks.serve_client --host http://127.0.0.1:8000 --users 64 --duration 60 --out DIR
 
-serve_w2.sh uses it where Locust is not installed (the offline GPU host). Requests are drawn from
+benchmarks/serve_overhead.py runs it (the offline GPU host has no Locust). Requests are drawn from
 loadtests/_workloads.py (W2 by default: prompt ids uniform in [32, 1024] tokens, max_tokens uniform
 in [64, 256], ignore_eos), sent to /v1/completions with stream=true; each user sends its next request
 when the last one ends. Users start at --spawn-rate per second; at --duration every user stops and a

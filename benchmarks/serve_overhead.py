@@ -5,7 +5,7 @@
 
 offline: benchmarks.offline_twin per user count, in a subprocess (GPU memory freed before any server), with
   the served engine options and the served engine's torch threads (OMP_NUM_THREADS as Ray sets it).
-served: per variant, one `serve run` (serve_config.yaml as serve_w2.sh derives it, max_ongoing_requests >=
+served: per variant, one `serve run` (serve_config.yaml with the GPU engine options, max_ongoing_requests >=
   2 x users), a --warmup s load, then benchmarks.serve_client for --duration s at each user count in turn.
 null: per variant and user count, the same stack with `args.null_core_step_ms: X` (a core without a model:
   one token per running request every X ms, through the real replica / ingress / proxy). X = 1000 x users

@@ -35,7 +35,7 @@ def log(msg: str) -> None:
 
 
 def serve_config(device: str, ckpt: str, port: int, users: int, null_step_ms: float | None = None) -> dict:
-    """The repo's serve_config.yaml with the checkpoint, GPUs, port and GPU engine options (serve_w2.sh's)."""
+    """The repo's serve_config.yaml with the checkpoint, GPUs, port and GPU engine options."""
     import yaml
 
     cfg = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
@@ -60,17 +60,19 @@ def _sh(cmd: list[str], env: dict, timeout: float | None = None) -> subprocess.C
 
 
 def child_env() -> dict:
-    """The children's environment: Ray Serve from .gpuwheels where missing (as serve_w2.sh), repo on path."""
+    """The children's environment: Ray Serve from .gpuwheels where missing (scripts.wheelhouse), the repo on
+    the path."""
     env = dict(os.environ, TQDM_MININTERVAL=os.environ.get("TQDM_MININTERVAL", "5"), RAY_ADDRESS="local")
     path = [str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(":") if p]
     if _sh([PY, "-c", "import ray.serve, fastapi"], env).returncode:
-        wheels = sorted(str(w) for w in (ROOT / ".gpuwheels").glob("*.whl"))
-        if not wheels:
-            sys.exit("serve_overhead: Ray Serve is missing and there is no .gpuwheels to install it from")
-        log("installing .gpuwheels into /tmp/pylib")
-        pip = [PY, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target", "/tmp/pylib"]
-        _sh(pip + wheels, env).check_returncode()
-        path.insert(0, "/tmp/pylib")
+        from scripts.wheelhouse import DEFAULT_DIR, DEFAULT_TARGET, install
+
+        log(f"installing {DEFAULT_DIR} into {DEFAULT_TARGET}")
+        try:
+            install(ROOT / DEFAULT_DIR, DEFAULT_TARGET, PY, env)
+        except FileNotFoundError as e:
+            sys.exit(f"serve_overhead: Ray Serve is missing and cannot be installed: {e}")
+        path.insert(0, DEFAULT_TARGET)
         env["RAY_AUTH_MODE"] = "disabled"
     env["PYTHONPATH"] = ":".join(path)
     return env

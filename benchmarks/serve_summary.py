@@ -1,4 +1,4 @@
-"""Summarise a served load run (benchmarks/serve_w2.sh) into TTFT / ITL / E2E percentiles.
+"""Summaries of served load runs: TTFT / ITL / E2E percentiles, and serve_overhead's report tables.
 
 Two sources, same definitions (loadtests/locustfile.py's): TTFT = request sent -> first streamed chunk
 with text; ITL = gap between consecutive such chunks; E2E = request sent -> [DONE].
@@ -49,7 +49,7 @@ def _from_locust(stats_csv: Path) -> dict:
 
 
 def summarize_serving(run_dir: Path) -> dict:
-    """The summary of one serve_w2.sh run directory (meta.json + Locust CSV or client summary)."""
+    """The summary of one load run directory (optional meta.json + Locust CSV or client summary)."""
     run_dir = Path(run_dir)
     meta = json.loads((run_dir / "meta.json").read_text()) if (run_dir / "meta.json").exists() else {}
     client = run_dir / "summary.json"

@@ -61,7 +61,7 @@ class ModelLoadConfig:
     seed: int = 0
     enforce_eager: bool = False  # disable CUDA-graph decode
     # cuBLAS front end for GEMMs of more than one row on a GPU (one row takes our Triton GEMV). cuBLASLt
-    # picks faster kernels for the 16-256-row decode GEMMs (benchmarks/linear_bench.py --rows); the
+    # picks faster kernels for the 16-256-row decode GEMMs (docs/performance.md); the
     # choice is per process (torch.backends.cuda.preferred_blas_library).
     blas_library: str = "cublaslt"
 

@@ -1,11 +1,11 @@
 """The engine core process: the LLMEngine's step loop alone in a process of its own.
 
 The server's engine replica starts it (`python -m engine.core FD PARENT_PID`, engine/core_client.py)
-and talks to it over one Unix socket: multiprocessing.connection framing, pickled tuples. Each turn:
-  1. read every command that has arrived: batches of ("add", rid, ids, params, arrival_time),
-     ("abort", rid), ("stop_sample", rid, index) and ("shutdown",);
+and talks to it over one Unix socket: multiprocessing.connection framing, pickled messages
+(engine/core_messages.py). Each turn:
+  1. read every command that has arrived: batches of Add, Abort, StopSample and Shutdown;
   2. run one engine step;
-  3. send ONE message for the whole step: ("step", records, stats), every request's new token ids.
+  3. send ONE message for the whole step, a Step with every request's new token ids.
 Nothing else runs here: no event loop, no HTTP, no metrics, no text. The replica detokenizes, matches
 stop strings (and sends the stop back), builds output objects and records metrics. The one feature
 that needs text inside the loop, the calculator tool, decodes only its expression when a tool call
@@ -31,6 +31,19 @@ import time
 import traceback
 from multiprocessing.connection import Connection
 
+from engine.core_messages import (
+    Abort,
+    Add,
+    Command,
+    Dead,
+    Failed,
+    Idle,
+    Ready,
+    Shutdown,
+    Start,
+    Step,
+    StopSample,
+)
 from engine.errors import EngineError, QueueFullError
 
 log = logging.getLogger("engine.core")
@@ -40,7 +53,7 @@ STATS_EVERY_S = 0.05  # a stats snapshot rides on a step message at most this of
 
 def _final(rid: str, reason: str, error: str | None = None) -> tuple:
     """The final record of a request the engine never held (aborted or refused on the way in)."""
-    return (rid, [(0, [], [], None, reason, error, False)], True, 0, None)
+    return (rid, [(0, [], [], None, reason, error, False)], True, 0, (None, None))
 
 
 class EngineCore:
@@ -50,14 +63,15 @@ class EngineCore:
     def __init__(self, engine, conn: Connection):
         self.engine = engine
         self.conn = conn
-        self.deferred: list[tuple] = []  # adds waiting for room in the scheduler's queue, in order
+        self.deferred: list[Add] = []  # adds waiting for room in the scheduler's queue, in order
         self.pending: list[tuple] = []  # final records produced between steps (aborts, refusals)
+        self.aborted_unadded = 0  # aborts of requests still in `deferred`: the engine never saw them
         self.running = True
         self._last_stats = 0.0
 
     def run(self) -> int:
         """The loop, until shutdown (0), the replica going away (0) or the loop failing (1: the replica
-        is told why with a ("dead", message) before this returns)."""
+        is told why with a Dead message before this returns)."""
         try:
             self._loop()
         except (EOFError, BrokenPipeError, ConnectionResetError):
@@ -66,7 +80,7 @@ class EngineCore:
             message = f"{type(exc).__name__}: {exc}"
             log.error("engine loop died: %s\n%s", message, traceback.format_exc())
             try:
-                self.conn.send(("dead", message))
+                self.conn.send(Dead(message))
             except OSError:
                 pass
             return 1
@@ -75,26 +89,31 @@ class EngineCore:
     def _loop(self) -> None:
         idle_sent = False
         while self.running:
-            busy = self.engine.has_unfinished() or bool(self.deferred)
-            self.read(timeout=0.0 if busy else IDLE_POLL_S)
             self.apply_deferred()
-            if not self.engine.has_unfinished():
-                if self.pending or not idle_sent:
-                    self.send_step([])
-                    self.conn.send(("idle", self.engine.get_stats(), self.engine.audit()))
-                idle_sent = True
+            if self.engine.has_unfinished():
+                idle_sent = False
+                self.send_step(self.engine.step_records())
+                self.read(timeout=0.0)
                 continue
-            idle_sent = False
-            self.send_step(self.engine.step_records())
+            if self.pending or not idle_sent:  # at start too: the replica has stats before any request
+                self.send_step([])
+                self.conn.send(Idle(self.stats(), self.engine.audit()))
+                idle_sent = True
+            self.read(timeout=0.0 if self.deferred else IDLE_POLL_S)
 
     def send_step(self, records: list) -> None:
         now = time.monotonic()
         records, self.pending = self.pending + records, []
         stats = None
         if now - self._last_stats >= STATS_EVERY_S:
-            stats, self._last_stats = self.engine.get_stats(), now
+            stats, self._last_stats = self.stats(), now
         if records or stats is not None:
-            self.conn.send(("step", records, stats))
+            self.conn.send(Step(records, stats))
+
+    def stats(self) -> dict:
+        stats = self.engine.get_stats()
+        stats["num_aborts"] += self.aborted_unadded
+        return stats
 
     def read(self, timeout: float) -> None:
         """Apply every command that arrived; wait up to `timeout` for the first one."""
@@ -106,24 +125,22 @@ class EngineCore:
             if not self.conn.poll(0):
                 return
 
-    def apply(self, command: tuple) -> None:
-        kind = command[0]
-        if kind == "add":
+    def apply(self, command: Command) -> None:
+        if isinstance(command, Add):
             self.deferred.append(command)
-        elif kind == "abort":
-            self.abort(command[1])
-        elif kind == "stop_sample":
-            self.engine.stop_sample(command[1], command[2])
-        elif kind == "shutdown":
+        elif isinstance(command, Abort):
+            self.abort(command.request_id)
+        elif isinstance(command, StopSample):
+            self.engine.stop_sample(command.request_id, command.index)
+        elif isinstance(command, Shutdown):
             self.running = False
         else:
-            raise ValueError(f"unknown engine-core command {kind!r}")
+            raise TypeError(f"unknown engine-core command {command!r}")
 
     def abort(self, rid: str) -> None:
-        queued = [c for c in self.deferred if c[1] == rid]
-        if queued:  # aborted before the engine took it
-            self.deferred = [c for c in self.deferred if c[1] != rid]
-            self.engine.stats["num_aborts"] += 1
+        if any(c.request_id == rid for c in self.deferred):  # aborted before the engine took it
+            self.deferred = [c for c in self.deferred if c.request_id != rid]
+            self.aborted_unadded += 1
             self.pending.append(_final(rid, "abort"))
             return
         record = self.engine.abort_record(rid)
@@ -137,15 +154,13 @@ class EngineCore:
         scheduler's queue can have grown since (preempted sequences): a request then waits here instead
         of failing after its caller was told it was accepted."""
         while self.deferred:
-            _, rid, ids, params, arrival = self.deferred[0]
+            add = self.deferred[0]
             try:
-                self.engine.add_request(ids, params, request_id=rid, arrival_time=arrival)
+                self.engine.add_request(add.prompt_ids, add.params, add.request_id, add.arrival_time)
             except QueueFullError:
                 return
             except EngineError as exc:
-                self.pending.append(_final(rid, "error", str(exc)))
-            else:
-                self.engine.faults.check("loop", self.engine.requests[rid])
+                self.pending.append(_final(add.request_id, "error", str(exc)))
             self.deferred.pop(0)
 
 
@@ -172,13 +187,13 @@ def main(fd: int, parent_pid: int) -> int:
         return 1  # the parent died before the death signal was armed
     logging.basicConfig(level=logging.INFO, format="engine-core %(levelname)s %(message)s")
     conn = Connection(fd)
-    _, config, null_step_ms = conn.recv()
+    start: Start = conn.recv()
     try:
-        engine = _build(config, null_step_ms)
+        engine = _build(start.config, start.null_step_ms)
     except BaseException as exc:
-        conn.send(("failed", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        conn.send(Failed(f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         return 1
-    conn.send(("ready", engine.limits))
+    conn.send(Ready(engine.limits))
     return EngineCore(engine, conn).run()
 
 

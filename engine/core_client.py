@@ -11,13 +11,14 @@ calls `flush` once per turn of its event loop, so what arrived in that turn trav
 
 The core answers with one message per step holding every request's new token ids; the reader thread
 turns them into text here (engine/text_output.TextStream: detokenization and stop strings, which go
-back to the core as "stop_sample"), builds the RequestOutputs and hands the whole step's list to
+back to the core as StopSample), builds the RequestOutputs and hands the whole step's list to
 `on_step` in one call.
 
-Transport: multiprocessing.connection over a Unix socketpair with pickled tuples (stdlib, no extra
-dependency). A step message of 256 decode records is 16 KB and costs the core ~50 us to send (2-core CPU box):
-benchmarks/reports/core_transport.md. Every request gets exactly one final output (finished=True),
-unless it was aborted by the caller: also when it fails, or when the core dies (the error says why).
+Transport: multiprocessing.connection over a Unix socketpair with pickled messages
+(engine/core_messages.py; stdlib, no extra dependency). A step message of 256 decode records is 14 KB
+and costs the core ~55 us to send (2-core CPU box): benchmarks/reports/core_transport.md.
+Every request gets exactly one final output (finished=True), unless it was aborted by the caller:
+also when it fails, or when the core dies (the error says why).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from pathlib import Path
 from engine import admission
 from engine.admission import Prompt
 from engine.config import EngineConfig
+from engine.core_messages import Abort, Add, Command, Dead, Failed, Idle, Shutdown, Start, Step, StopSample
 from engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
 from engine.faults import FaultInjector
 from engine.live_request import LiveRequest
@@ -56,10 +58,10 @@ class CoreClient:
         self.tokenizer = Tokenizer.from_dir(config.load.model)
         self.model_name = config.load.model.rstrip("/").split("/")[-1]
         self._on_step = on_step
-        self._faults = FaultInjector(config.fault_injection, self.tokenizer.decode)
+        self._fault = FaultInjector(config.fault_injection, self.tokenizer.decode).checker()
         self._live: dict[str, LiveRequest] = {}
         self._lock = threading.Lock()
-        self._outbox: list[tuple] = []
+        self._outbox: list[Command] = []
         self._send_lock = threading.Lock()  # one sender at a time, batches in outbox order
         self._autoflush = autoflush
         self._closing = False
@@ -101,7 +103,7 @@ class CoreClient:
         if isinstance(started[0], BaseException):
             raise started[0]
         conn = _CoreConnection(ours.detach())
-        conn.send(("start", config, null_step_ms))
+        conn.send(Start(config, null_step_ms))
         return started[0], conn
 
     # ------------------------------------------------------------------ called from any thread
@@ -125,7 +127,7 @@ class CoreClient:
             if request_id in self._live:
                 raise InvalidRequestError(f"request_id: {request_id!r} is in use", field="request_id")
             self._live[request_id] = LiveRequest(request_id, ids, params, arrival, self.tokenizer)
-            self._outbox.append(("add", request_id, ids, params, arrival))
+            self._outbox.append(Add(request_id, ids, params, arrival))
         if self._autoflush:
             self.flush()
         return request_id
@@ -134,7 +136,7 @@ class CoreClient:
         with self._lock:
             if self._live.pop(request_id, None) is None:
                 return
-            self._outbox.append(("abort", request_id))
+            self._outbox.append(Abort(request_id))
         if self._autoflush:
             self.flush()
 
@@ -151,7 +153,7 @@ class CoreClient:
     def shutdown(self, timeout_s: float = 10.0) -> None:
         self._closing = True
         with self._lock:
-            self._outbox.append(("shutdown",))
+            self._outbox.append(Shutdown())
         self.flush()
         try:
             self.proc.wait(timeout_s)
@@ -180,15 +182,14 @@ class CoreClient:
             except (EOFError, OSError):
                 self._core_exited()
                 return
-            kind = message[0]
-            if kind == "step":
-                if message[2] is not None:
-                    self._stats = message[2]
-                self._deliver(self._outputs(message[1]))
-            elif kind == "idle":
-                self._stats, self._audit = message[1], message[2]
-            elif kind == "dead":
-                self._fail_all(message[1])
+            if isinstance(message, Step):
+                if message.stats is not None:
+                    self._stats = message.stats
+                self._deliver(self._outputs(message.records))
+            elif isinstance(message, Idle):
+                self._stats, self._audit = message.stats, message.audit
+            elif isinstance(message, Dead):
+                self._fail_all(message.error)
 
     def _outputs(self, records: list) -> list[RequestOutput]:
         now = time.time()
@@ -198,12 +199,12 @@ class CoreClient:
             if live is None:
                 continue  # aborted by the caller, or already ended here (stop string, failure)
             try:
-                out = live.absorb(samples, finished, cached, times, now, self._faults)
+                out = live.absorb(samples, finished, cached, times, now, self._fault)
             except Exception as exc:  # a failure in this request's text work fails it alone
                 log.error("request %s failed: %s", rid, exc)
                 out = live.fail(f"{type(exc).__name__}: {exc}", now)
-                stops.append(("abort", rid))
-            stops += [("stop_sample", rid, i) for i in live.take_stops()]
+                stops.append(Abort(rid))
+            stops += [StopSample(rid, i) for i in live.take_stops()]
             if out.finished:
                 self._live.pop(rid, None)
             outputs.append(out)
@@ -249,6 +250,6 @@ class _CoreConnection(Connection):
             message = self.recv()
         except EOFError:
             raise RuntimeError("the engine core process exited during start-up; see its log above") from None
-        if message[0] == "failed":
-            raise RuntimeError(f"the engine core failed to start: {message[1]}")
-        return message[1]
+        if isinstance(message, Failed):
+            raise RuntimeError(f"the engine core failed to start: {message.error}")
+        return message.limits

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.faults import FaultInjector
+from engine.faults import Check
 from engine.outputs import CompletionDelta, RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.text_output import TextStream
@@ -44,14 +44,15 @@ class LiveRequest:
         cached: int,
         times: tuple[float | None, float | None] | None,
         now: float,
-        faults: FaultInjector,
+        fault: Check | None,
     ) -> RequestOutput:
         """One core record -> the RequestOutput of this step (text deltas, finish reasons). `times`, on
         the final record only: when the core first scheduled the request and sampled its first token."""
         self.cached_tokens = cached or self.cached_tokens
         if times is not None:
             self.metrics.first_scheduled_time, self.metrics.engine_token_time = times
-        faults.check("detokenize", self)
+        if fault is not None:  # fault injection (tests only)
+            fault("detokenize", self)
         deltas = [d for d in (self._delta(*s) for s in samples) if d is not None]
         if any(d.token_ids for d in deltas):
             self.metrics.first_token_time = self.metrics.first_token_time or now

@@ -21,6 +21,7 @@ from engine import admission
 from engine.admission import Prompt
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.core_messages import Record
 from engine.errors import InvalidRequestError, QueueFullError
 from engine.faults import FaultInjector
 from engine.model_runner import ModelRunner
@@ -33,12 +34,6 @@ from engine.scheduler import Scheduler, SchedulerOutput
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger("engine")
-# What the engine core sends per request and step (engine/core.py): request id, samples, finished,
-# cached prompt tokens, and on the final record only the engine's timestamps (first scheduled, first
-# token sampled; None otherwise: the replica needs them only when the request ends). A sample: (index,
-# token ids, masks, logprobs or None, finish reason or None, error or None, whether the last token is
-# a stop token / EOS).
-Record = tuple[str, list[tuple], bool, int, tuple[float | None, float | None] | None]
 
 
 class LLMEngine:
@@ -53,6 +48,7 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
         self.faults = FaultInjector(config.fault_injection, self.tokenizer.decode)
+        self._fault = self.faults.checker()  # None unless fault injection is on (tests)
         eos = set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids)
         self.processor = OutputProcessor(self.tokenizer, eos, self.max_model_len, self.faults, detokenize)
         self.detokenize = detokenize
@@ -101,6 +97,8 @@ class LLMEngine:
         self.requests[request_id] = request
         self.scheduler.add(request)
         self.stats["prompt_tokens_total"] += len(ids)
+        if self._fault is not None:  # a test hook: the loop that adds this request dies
+            self._fault("loop", request)
         return request_id
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -309,7 +307,7 @@ class LLMEngine:
         last field says whether the final token is a stop token / EOS, which is never part of the text."""
         want_logprobs = request.params.logprobs is not None
         for seq in request.seqs:
-            st = self.processor.state(seq)
+            st = seq.state
             final = seq.finished and not st.reported
             if not (st.pending_ids or final):
                 continue

@@ -19,6 +19,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 from tqdm import tqdm
 
+from engine.device import resolve_device_dtype
 from engine.model_config import ModelConfig
 from engine.models.layers import MergedLinear
 from engine.models.registry import get_model_class
@@ -42,8 +43,7 @@ def load_model(
     (the checkpoint's own dtype is converted on copy). device: "cpu", "cuda", "cuda:N" or "auto".
     """
     path = Path(path)
-    device = _resolve_device(device)
-    dtype = _resolve_dtype(dtype, device)
+    device, dtype = resolve_device_dtype(device, dtype)
     cfg = ModelConfig.from_dir(path)
     cls = get_model_class(cfg.model_type)
     files = checkpoint_files(path)
@@ -52,23 +52,6 @@ def load_model(
     model.eval().requires_grad_(False)
     _load_weights(model, cls, cfg, files, progress)
     return model, cfg
-
-
-def _resolve_device(device: str | torch.device) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def _resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
-    if dtype is None or dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    resolved = getattr(torch, dtype, None)
-    if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
-        raise ValueError(f"dtype: {dtype!r} is not a floating torch dtype; use float32, float16 or bfloat16")
-    return resolved
 
 
 def checkpoint_files(path: Path) -> list[Path]:

@@ -5,75 +5,40 @@ seen in the wild: `rope_scaling` + `rope_theta` (4.x) or `rope_parameters` (5.x,
 for Gemma 3); `torch_dtype` (4.x) or `dtype` (5.x); Gemma 3 `layer_types` or the older integer
 `sliding_window_pattern`. A field missing from config.json takes the default of the transformers config
 class of that family (multimodal Gemma 3 text_configs rely on that: they omit head_dim, vocab_size, ...).
+
+This module holds the parsing every family shares. What differs per family (those defaults, where a
+multimodal wrapper keeps the language model's fields, a local RoPE base, which layers use a sliding
+window) lives on the family's model class in engine/models, registered in engine/models/registry.py.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "gemma3_text", "gemma3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
-# Defaults of the transformers config classes (LlamaConfig, Qwen3Config, Gemma3TextConfig).
-_FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
-    "llama": dict(
-        vocab_size=32000,
-        hidden_size=4096,
-        intermediate_size=11008,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        hidden_act="silu",
-        max_position_embeddings=2048,
-        rms_norm_eps=1e-6,
-        bos_token_id=1,
-        eos_token_id=2,
-        tie_word_embeddings=False,
-        rope_theta=10000.0,
-    ),
-    "qwen3": dict(
-        vocab_size=151936,
-        hidden_size=4096,
-        intermediate_size=22016,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=32,
-        head_dim=128,
-        hidden_act="silu",
-        max_position_embeddings=32768,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        rope_theta=10000.0,
-        use_sliding_window=False,
-        sliding_window=4096,
-        max_window_layers=28,
-    ),
-    "gemma3_text": dict(
-        vocab_size=262208,
-        hidden_size=2304,
-        intermediate_size=9216,
-        num_hidden_layers=26,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        head_dim=256,
-        hidden_activation="gelu_pytorch_tanh",
-        max_position_embeddings=131072,
-        rms_norm_eps=1e-6,
-        bos_token_id=2,
-        eos_token_id=1,
-        tie_word_embeddings=True,
-        rope_theta=1_000_000.0,
-        rope_local_base_freq=10000.0,
-        query_pre_attn_scalar=256,
-        sliding_window=4096,
-        sliding_window_pattern=6,
-    ),
-}
+
+class ConfigFamily(Protocol):
+    """What a model family's class tells the parser; d is config.json over the family's defaults."""
+
+    model_type: str  # ModelConfig.model_type of the family
+    config_defaults: Mapping[str, Any]  # defaults of the family's transformers config class
+
+    def text_config(self, raw: dict) -> tuple[dict, bool]:
+        """(the fields describing the language model, whether raw is a multimodal wrapper)."""
+
+    def local_rope_theta(self, d: dict) -> float | None:
+        """RoPE base of the sliding-window layers where it differs from rope_theta."""
+
+    def layer_layout(self, d: dict, num_layers: int, source: str) -> tuple[Any, list[str]]:
+        """(window, per-layer kind): kind is "sliding_attention" or "full_attention"."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelConfig:
     model_type: str  # the family: "llama", "qwen3" or "gemma3_text" (a gemma3 wrapper is unwrapped)
     vocab_size: int
@@ -89,21 +54,26 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     bos_token_id: int | None
-    eos_token_ids: list[int]
+    eos_token_ids: tuple[int, ...]  # config.json's, then a wrapper's, then generation_config.json's
     torch_dtype: str | None
     hidden_activation: str = "silu"
     attention_bias: bool = False
     mlp_bias: bool = False
     # Gemma 3 (None / defaults elsewhere)
     sliding_window: int | None = None
-    layer_types: list[str] = field(default_factory=list)
+    layer_types: tuple[str, ...] = ()  # per layer: "sliding_attention" or "full_attention"
     rope_local_base_freq: float | None = None
     query_pre_attn_scalar: float | None = None
     final_logit_softcapping: float | None = None
     attn_logit_softcapping: float | None = None
-    sliding_windows: list[int | None] = field(default_factory=list)  # per layer; None = full attention
     is_multimodal_wrapper: bool = False  # gemma3 checkpoint whose text weights sit under language_model
-    raw: dict = field(default_factory=dict)
+    raw: dict = field(default_factory=dict)  # config.json as read; never written to
+
+    @property
+    def sliding_windows(self) -> tuple[int | None, ...]:
+        """Per layer: the attention window, None for full attention."""
+        window = self.sliding_window
+        return tuple(window if kind == "sliding_attention" else None for kind in self.layer_types)
 
     @staticmethod
     def from_dir(path: str | Path) -> ModelConfig:
@@ -115,47 +85,36 @@ class ModelConfig:
             raw = json.loads(config_path.read_text())
         except json.JSONDecodeError as e:
             raise ValueError(f"{config_path}: not valid JSON ({e})") from e
-        cfg = ModelConfig.from_dict(raw, source=str(config_path))
-        gen_path = Path(path) / "generation_config.json"
-        if gen_path.is_file():
-            try:
-                extra = json.loads(gen_path.read_text()).get("eos_token_id")
-            except json.JSONDecodeError:
-                extra = None  # generation_config.json is advisory; a broken one must not block loading
-            cfg.eos_token_ids = _unique(cfg.eos_token_ids + _as_list(extra))
-        return cfg
+        return ModelConfig.from_dict(raw, str(config_path), _generation_eos(Path(path)))
 
     @staticmethod
-    def from_dict(raw: dict, source: str = "config.json") -> ModelConfig:
-        model_type = raw.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"{source}: model_type {model_type!r} is not supported; supported types: "
-                f"{', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
-        text = raw
-        if model_type == "gemma3":  # multimodal wrapper: the language model is described by text_config
-            text = dict(raw.get("text_config") or {})
-            text.setdefault("model_type", "gemma3_text")
-        family = "gemma3_text" if model_type == "gemma3" else model_type
-        d = {**_FAMILY_DEFAULTS[family], **{k: v for k, v in text.items() if v is not None}}
-        cfg = _build(family, d, raw, text, source)
-        cfg.is_multimodal_wrapper = model_type == "gemma3"
-        return cfg
+    def from_dict(raw: dict, source: str = "config.json", extra_eos: Iterable[int] = ()) -> ModelConfig:
+        """extra_eos: more stop ids (generation_config.json's), listed after config.json's."""
+        from engine.models.registry import get_model_class  # the family modules import this one
+
+        try:
+            family = get_model_class(raw.get("model_type"))
+        except ValueError as e:
+            raise ValueError(f"{source}: {e}") from None
+        return _parse(family, raw, source, list(extra_eos))
 
 
-def _build(family: str, d: dict, raw: dict, text: dict, source: str) -> ModelConfig:
+def _parse(family: ConfigFamily, raw: dict, source: str, extra_eos: list[int]) -> ModelConfig:
+    text, wrapped = family.text_config(raw)
+    d = {**family.config_defaults, **{k: v for k, v in text.items() if v is not None}}
     num_heads = int(d["num_attention_heads"])
-    rope_theta, rope_scaling, local_base = _parse_rope(family, d, source)
+    num_layers = int(d["num_hidden_layers"])
+    rope_theta, rope_scaling, local_base = _parse_rope(d, family.local_rope_theta(d), source)
+    window, layer_types = _parse_layer_types(family, d, num_layers, source)
     eos = _as_list(text.get("eos_token_id", d.get("eos_token_id")))
-    if text is not raw:  # a wrapper may list more stop ids (e.g. <end_of_turn>) at the top level
-        eos = _unique(eos + _as_list(raw.get("eos_token_id")))
-    cfg = ModelConfig(
-        model_type=family,
+    if wrapped:  # a wrapper may list more stop ids (e.g. <end_of_turn>) at the top level
+        eos += _as_list(raw.get("eos_token_id"))
+    return ModelConfig(
+        model_type=family.model_type,
         vocab_size=int(d["vocab_size"]),
         hidden_size=int(d["hidden_size"]),
         intermediate_size=int(d["intermediate_size"]),
-        num_layers=int(d["num_hidden_layers"]),
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=int(d.get("num_key_value_heads") or num_heads),
         head_dim=int(d.get("head_dim") or d["hidden_size"] // num_heads),
@@ -165,28 +124,26 @@ def _build(family: str, d: dict, raw: dict, text: dict, source: str) -> ModelCon
         max_position_embeddings=int(d["max_position_embeddings"]),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", d["tie_word_embeddings"])),
         bos_token_id=d.get("bos_token_id", raw.get("bos_token_id")),
-        eos_token_ids=eos,
+        eos_token_ids=tuple(dict.fromkeys(eos + extra_eos)),
         torch_dtype=raw.get("torch_dtype") or raw.get("dtype") or d.get("torch_dtype") or d.get("dtype"),
         hidden_activation=d.get("hidden_activation") or d.get("hidden_act") or "silu",
         attention_bias=bool(d.get("attention_bias", False)),
         mlp_bias=bool(d.get("mlp_bias", False)),
+        sliding_window=window,
+        layer_types=layer_types,
         rope_local_base_freq=local_base,
         query_pre_attn_scalar=d.get("query_pre_attn_scalar"),
         final_logit_softcapping=d.get("final_logit_softcapping"),
         attn_logit_softcapping=d.get("attn_logit_softcapping"),
+        is_multimodal_wrapper=wrapped,
         raw=raw,
     )
-    cfg.sliding_window, cfg.layer_types = _parse_layer_types(family, d, cfg.num_layers, source)
-    cfg.sliding_windows = [
-        cfg.sliding_window if kind == "sliding_attention" else None for kind in cfg.layer_types
-    ]
-    return cfg
 
 
-def _parse_rope(family: str, d: dict, source: str) -> tuple[float, dict | None, float | None]:
-    """(global theta, global scaling, local theta). Gemma 3's local layers always use plain RoPE."""
+def _parse_rope(d: dict, local_base: float | None, source: str) -> tuple[float, dict | None, float | None]:
+    """(global theta, global scaling, local theta); local_base is the family's local theta as 4.x spells
+    it, which a 5.x nested rope_parameters overrides. Gemma 3's local layers always use plain RoPE."""
     params = d.get("rope_parameters")
-    local_base = float(d["rope_local_base_freq"]) if family == "gemma3_text" else None
     if isinstance(params, dict) and ("full_attention" in params or "sliding_attention" in params):
         local = params.get("sliding_attention") or {}  # 5.x Gemma 3: one dict per layer type
         local_base = float(local.get("rope_theta", local_base or 10000.0))
@@ -215,36 +172,28 @@ def _rope_type(spec: dict) -> str:
     return spec.get("rope_type") or spec.get("type") or "default"
 
 
-def _parse_layer_types(family: str, d: dict, num_layers: int, source: str) -> tuple[int | None, list[str]]:
-    """(window, per-layer kind): kind is "sliding_attention" or "full_attention"."""
-    window = d.get("sliding_window")
-    if family == "llama":
-        return None, ["full_attention"] * num_layers
-    if family == "qwen3" and not d.get("use_sliding_window"):
-        window = None
-    kinds = d.get("layer_types")
-    if kinds is None and family == "gemma3_text":
-        pattern = int(d.get("sliding_window_pattern") or d.get("_sliding_window_pattern") or 6)
-        kinds = [
-            "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers)
-        ]
-    if kinds is None:  # qwen3: layers from max_window_layers on use the window when it is enabled
-        first = int(d.get("max_window_layers", num_layers))
-        kinds = [
-            "sliding_attention" if window and i >= first else "full_attention" for i in range(num_layers)
-        ]
+def _parse_layer_types(
+    family: ConfigFamily, d: dict, num_layers: int, source: str
+) -> tuple[int | None, tuple[str, ...]]:
+    window, kinds = family.layer_layout(d, num_layers, source)
     if len(kinds) != num_layers:
         raise ValueError(f"{source}: layer_types has {len(kinds)} entries, num_hidden_layers is {num_layers}")
-    if family == "gemma3_text" and d.get("use_bidirectional_attention"):
-        raise ValueError(f"{source}: use_bidirectional_attention=true (embedding model) is not supported")
-    return (int(window) if window else None), list(kinds)
+    return (int(window) if window else None), tuple(kinds)
+
+
+def _generation_eos(path: Path) -> list[int]:
+    """The eos ids of generation_config.json; the file is advisory, so a broken one is ignored."""
+    gen_path = path / "generation_config.json"
+    if not gen_path.is_file():
+        return []
+    try:
+        extra = json.loads(gen_path.read_text()).get("eos_token_id")
+    except json.JSONDecodeError:
+        return []
+    return _as_list(extra)
 
 
 def _as_list(value: Any) -> list[int]:
     if value is None:
         return []
     return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
-
-
-def _unique(values: list[int]) -> list[int]:
-    return list(dict.fromkeys(values))

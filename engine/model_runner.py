@@ -12,9 +12,9 @@ import torch
 from engine.attention_context import AttentionMetadata, attention_context
 from engine.config import EngineConfig
 from engine.cuda_graph import DecodeGraphs
+from engine.device import resolve_device_dtype
 from engine.kv_cache import KVCacheSpec, allocate_kv_cache, kv_cache_dtype, plan_kv_cache
 from engine.loader import load_model
-from engine.model_config import ModelConfig
 from engine.models.layers import Attention
 from engine.request import Sequence
 from engine.sampler import PendingSample, Sampler, SamplingRow, stream_key
@@ -22,30 +22,11 @@ from engine.scheduler import SchedulerOutput
 from engine.step_inputs import StepBatch, build_batch, pack, table_width, unpack
 from engine.uploader import Uploader
 
-_DTYPES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-}
-
-
-def resolve_device_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
-    load = config.load
-    device = torch.device(
-        "cuda"
-        if load.device == "auto" and torch.cuda.is_available()
-        else ("cpu" if load.device == "auto" else load.device)
-    )
-    if load.dtype != "auto":
-        return device, _DTYPES[load.dtype]
-    return device, torch.bfloat16 if device.type == "cuda" else torch.float32
-
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig | None = None):
+    def __init__(self, config: EngineConfig):
         self.config = config
-        self.device, self.dtype = resolve_device_dtype(config)
+        self.device, self.dtype = resolve_device_dtype(config.load.device, config.load.dtype)
         torch.manual_seed(config.load.seed)
         if self.device.type == "cuda":  # process-wide; an engine replica owns its process and its GPU
             torch.backends.cuda.preferred_blas_library(config.load.blas_library)

@@ -17,7 +17,6 @@ from pathlib import Path
 from engine import admission
 from engine.config import EngineConfig
 from engine.errors import QueueFullError
-from engine.faults import FaultInjector
 
 
 class _NullRequest:
@@ -40,7 +39,6 @@ class NullEngine:
         self.requests: dict[str, _NullRequest] = {}
         self.waiting: deque[_NullRequest] = deque()
         self.running: list[_NullRequest] = []
-        self.faults = FaultInjector(False)
         self.stats = {
             "num_aborts": 0,
             "num_errors": 0,

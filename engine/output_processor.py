@@ -8,12 +8,12 @@ Token-level work (`append`, between two steps unless the next one was launched a
 Text-level work (`detokenize`, deferred until the next step is running on the GPU):
   4. incremental detokenisation and stop strings (engine/text_output.TextStream).
 An engine built with detokenize=False (the server's engine core) skips step 4: its caller does it.
-Forced tokens get mask 0 and are computed next step like any pending tokens.
+Forced tokens get mask 0 and are computed next step like any pending tokens. The per-sample state is
+the sequence's SampleState (engine/request.py). Fault injection is bound once here: when it is off, no
+per-token code calls into the injector.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass, field
 
 from engine.calculator import evaluate, format_result
 from engine.faults import FaultInjector
@@ -21,19 +21,6 @@ from engine.outputs import TokenLogprob
 from engine.request import Sequence
 from engine.text_output import TextStream
 from engine.tokenizer import Tokenizer
-
-
-@dataclass
-class SampleState:
-    """Per-sample streaming state; `pending_*` is what the next RequestOutput will carry."""
-
-    text: TextStream | None  # None when the engine leaves text to its caller
-    num_seen: int = 0  # output tokens already detokenised
-    pending_ids: list[int] = field(default_factory=list)
-    pending_masks: list[int] = field(default_factory=list)
-    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
-    ends_with_stop_token: bool = False  # the last token is a stop token / EOS: never part of the text
-    reported: bool = False  # the sample's final delta went out
 
 
 class OutputProcessor:
@@ -49,27 +36,24 @@ class OutputProcessor:
         self.detokenize_text = detokenize
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
-        self.faults = faults
+        self._fault = faults.checker()  # None when fault injection is off
         self._token_cache: dict[str, list[int]] = {}
 
-    def state(self, seq: Sequence) -> SampleState:
-        if "out" not in seq.state:
+    def _text(self, seq: Sequence) -> TextStream:
+        st = seq.state
+        if st.text is None:
             params = seq.request.params
-            text = (
-                TextStream(
-                    self.tokenizer, seq.request.prompt_ids, params.stop, params.include_stop_str_in_output
-                )
-                if self.detokenize_text
-                else None
+            st.text = TextStream(
+                self.tokenizer, seq.request.prompt_ids, params.stop, params.include_stop_str_in_output
             )
-            seq.state["out"] = SampleState(text)
-        return seq.state["out"]
+        return st.text
 
     def append(self, seq: Sequence, token: int, logprob) -> str | None:
         """Token-level work, done before the next step is scheduled: append the sampled token (or its
         forced replacement), check stop ids / EOS and length. Returns a finish reason or None."""
-        params, st = seq.request.params, self.state(seq)
-        self.faults.check("sample", seq.request)
+        params, st = seq.request.params, seq.state
+        if self._fault is not None:
+            self._fault("sample", seq.request)
         forced = self._budget_forcing(seq, token)
         if forced is not None:
             self._append(seq, forced, 0)
@@ -96,13 +80,14 @@ class OutputProcessor:
     def detokenize(self, seq: Sequence) -> bool:
         """Text-level work, done while the GPU runs the next step: new text and stop strings.
         Returns True when a stop string ended the sample."""
-        st = self.state(seq)
-        self.faults.check("detokenize", seq.request)
+        st, text = seq.state, self._text(seq)
+        if self._fault is not None:
+            self._fault("detokenize", seq.request)
         new = seq.token_ids[seq.num_prompt + st.num_seen :]
         st.num_seen = seq.num_output
-        taken = st.text.push(new[:-1] if st.ends_with_stop_token and new else new)
+        taken = text.push(new[:-1] if st.ends_with_stop_token and new else new)
         if seq.finished and taken is None:
-            st.text.finish()
+            text.finish()
         return taken is not None and taken > 0
 
     # ------------------------------------------------------------------ forced tokens
@@ -117,15 +102,16 @@ class OutputProcessor:
             return None
         if token not in self._encode(bf.suppress)[:1]:
             return None
-        count = seq.state.get("bf_count", 0)
-        seq.state["bf_count"] = count + 1
+        count = seq.state.budget_forcings
+        seq.state.budget_forcings = count + 1
         return self._encode(bf.replacements[count % len(bf.replacements)])
 
     def _tool(self, seq: Sequence, token: int) -> list[int] | None:
         tool = seq.request.params.tool
         if tool is None or [token] != self._encode(tool.python_end):
             return None
-        self.faults.check("tool", seq.request)
+        if self._fault is not None:
+            self._fault("tool", seq.request)
         # the expression runs from the last python-start marker (prompt or output) to this end marker
         ids = seq.token_ids
         (start_id,) = self._encode(tool.python_start)[:1] or [None]
@@ -142,7 +128,7 @@ class OutputProcessor:
         )
 
     def _append(self, seq: Sequence, tokens: list[int], mask: int, logprob=None) -> None:
-        st = self.state(seq)
+        st = seq.state
         seq.token_ids += tokens
         seq.masks += [mask] * len(tokens)
         st.pending_ids += tokens
@@ -153,5 +139,4 @@ class OutputProcessor:
 
     def take_text(self, seq: Sequence, final: bool) -> str:
         """Text ready to emit ("" when the engine leaves text to its caller)."""
-        text = self.state(seq).text
-        return text.take(final) if text is not None else ""
+        return self._text(seq).take(final) if self.detokenize_text else ""

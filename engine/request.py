@@ -17,11 +17,14 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from engine.block_manager import BlockTable
-from engine.outputs import RequestMetrics
+from engine.outputs import RequestMetrics, TokenLogprob
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.text_output import TextStream
 
 _seq_ids = itertools.count()
 
@@ -30,6 +33,21 @@ class SeqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+
+
+@dataclass
+class SampleState:
+    """What the output processor (engine/output_processor.py) keeps per sample between steps;
+    `pending_*` is what the next RequestOutput will carry."""
+
+    text: TextStream | None = None  # made on first use by an engine that detokenizes; else None
+    num_seen: int = 0  # output tokens already detokenised
+    pending_ids: list[int] = field(default_factory=list)
+    pending_masks: list[int] = field(default_factory=list)
+    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+    ends_with_stop_token: bool = False  # the last token is a stop token / EOS: never part of the text
+    reported: bool = False  # the sample's final delta went out
+    budget_forcings: int = 0  # suppress tokens replaced so far; picks the next replacement string
 
 
 @dataclass(eq=False)
@@ -44,7 +62,7 @@ class Sequence:
     masks: list[int] = field(default_factory=list)  # per output token: 1 sampled, 0 forced
     finish_reason: str | None = None
     error: str | None = None
-    state: dict[str, Any] = field(default_factory=dict)  # per-sample helpers owned by the output processor
+    state: SampleState = field(default_factory=SampleState)  # a forked sample starts with its own
     num_prompt: int = field(init=False)  # a plain attribute: read for every token on the hot path
 
     def __post_init__(self) -> None:

@@ -2,7 +2,7 @@
 
 The offline engine runs this in its own process (engine/output_processor.py). The server runs it in
 the engine replica's process instead (engine/core_client.py), so that this per-token work never
-delays the engine core's next step; a stop string found there is sent back to the core as an abort.
+delays the engine core's next step; a stop string found there is sent back to the core as `stop_sample`.
 
 `push(ids)` feeds new tokens; `take(final)` returns the text ready to emit. While a stop string could
 still begin in the tail of the text, that tail is held back; once a stop string is found, the text is

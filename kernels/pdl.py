@@ -12,7 +12,7 @@ and its writes are visible) before its first dependent access, and only then let
 launch. So when any kernel passes its wait, every kernel before it in the stream has completed, not
 just the one directly before it. A kernel launched without PDL (cuBLAS, torch ops) waits for its
 predecessor as usual. cuBLASLt's GEMM kernels must stay that way: none of those our decode shapes use
-waits for a PDL producer before reading its input (benchmarks/pdl_probe.py).
+waits for a PDL producer before reading its input (checked on an H200; docs/performance.md).
 
 Off on CPU, under the Triton interpreter, before sm_90, and with MINSERVE_PDL=0.
 """

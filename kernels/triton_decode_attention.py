@@ -156,7 +156,7 @@ def choose_num_splits(
     Capped by the most BLOCK_N tiles a sequence can have (block-table width or window) and MAX_SPLITS;
     fewer than MIN_SPLITS means 1: two splits gain less than their merge costs (batch 64 x 8 KV heads
     of Llama-3.1-8B at 1k context on an H200: 81 us unsplit, 88 us in two splits even with the merge
-    folded in; `benchmarks/kernel_bench.py --sweep-decode`).
+    folded in).
     """
     span = max_blocks * block_size
     if sliding_window:

@@ -2,7 +2,7 @@
 
     locust -f loadtests/ --host http://localhost:8000                     # web UI on :8089
     locust -f loadtests/ --host http://localhost:8000 --headless -u 16 -r 4 -t 60s --workload W2 \\
-           --csv benchmarks/reports/locust_w2                                 # summary + CSV files
+           --csv benchmarks/runs/locust_w2                                    # summary + CSV files
 
 Besides the HTTP row (time to response headers), every request records custom Locust request types:
   TTFT  request sent -> first streamed token (ms)

@@ -47,13 +47,6 @@ class ModelSpec:
         p = self.sliding_window_pattern
         return ["full_attention" if (i + 1) % p == 0 else "sliding_attention" for i in range(self.num_layers)]
 
-    def fused_projections(self) -> dict[str, tuple[int, int]]:
-        """name: (N, K) of a decoder layer's four matmuls as the engine runs them (q|k|v and gate|up
-        stacked along N, engine/models/layers.py MergedLinear)."""
-        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        h, inter = self.hidden_size, self.intermediate_size
-        return {"qkv": (q + 2 * kv, h), "o": (h, q), "gate_up": (2 * inter, h), "down": (h, inter)}
-
 
 _GEMMA_1B_LOCAL = dict(sliding_window=512, sliding_window_pattern=6, rope_local_base_freq=10000.0)
 _TINY_GEMMA_LOCAL = dict(sliding_window=32, sliding_window_pattern=3, rope_local_base_freq=10000.0)

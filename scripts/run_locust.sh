@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Headless Locust run against minserve, writing commit-ready reports (CSV + summary).
+# Headless Locust run against minserve, writing its CSV files and summary (benchmarks/runs/ is git-ignored).
 #   scripts/run_locust.sh                  # starts `serve run serve_config.yaml`, W2, 16 users, 60 s
-#                                          # -> benchmarks/reports/locust_w2_cpu_{stats,...}.csv, .summary.txt
-#   HOST=http://gpu-box:8000 WORKLOAD=W3 USERS=64 DURATION=120s OUT=benchmarks/reports/locust_w3_gpu \
+#                                          # -> benchmarks/runs/locust_w2_cpu_{stats,...}.csv, .summary.txt
+#   HOST=http://gpu-box:8000 WORKLOAD=W3 USERS=64 DURATION=120s OUT=benchmarks/runs/locust_w3_gpu \
 #     MINSERVE_GEN_SCALE=1 scripts/run_locust.sh   # against a running server, full lengths
 # Without HOST, the server is started from $CONFIG and stopped at the end (log: $SERVER_LOG).
 # On the 2-core CPU box generation lengths are scaled down (MINSERVE_GEN_SCALE default 0.25).
@@ -13,7 +13,7 @@ USERS=${USERS:-16}
 SPAWN_RATE=${SPAWN_RATE:-$USERS}
 DURATION=${DURATION:-60s}
 CONFIG=${CONFIG:-serve_config.yaml}
-OUT=${OUT:-benchmarks/reports/locust_$(echo "$WORKLOAD" | tr '[:upper:]' '[:lower:]')_cpu}
+OUT=${OUT:-benchmarks/runs/locust_$(echo "$WORKLOAD" | tr '[:upper:]' '[:lower:]')_cpu}
 SERVER_LOG=${SERVER_LOG:-${TMPDIR:-/tmp}/minserve_locust_server.log}
 export MINSERVE_GEN_SCALE=${MINSERVE_GEN_SCALE:-0.25}
 mkdir -p "$(dirname "$OUT")"

@@ -18,5 +18,5 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   echo "setup: installing ${TORCH_SPEC:-torch==2.13.0} (CPU build)"
   .venv/bin/pip install -q ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "${TORCH_SPEC:-torch==2.13.0}"
 fi
-.venv/bin/pip install -q -e ".[test]"
+.venv/bin/pip install -q -e ".[serve,load,dev]"
 touch .venv/.installed

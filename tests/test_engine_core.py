@@ -24,6 +24,7 @@ from engine import LLM
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.core_client import CoreClient
+from engine.core_messages import Abort, Add, Dead, Shutdown, Step
 from engine.errors import EngineDeadError
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
@@ -196,7 +197,7 @@ class InProcessCore:
         while not want <= set(got):
             assert self.conn.poll(max(0.0, deadline - time.monotonic())), f"missing finals {want - set(got)}"
             message = self.conn.recv()
-            for rec in message[1] if message[0] == "step" else []:
+            for rec in message.records if isinstance(message, Step) else []:
                 if on_record is not None:
                     on_record(rec)
                 if rec[2]:
@@ -205,7 +206,7 @@ class InProcessCore:
 
     def close(self) -> None:
         self.gate.set()
-        self.conn.send([("shutdown",)])
+        self.conn.send([Shutdown()])
         self.thread.join(10)
 
 
@@ -217,8 +218,8 @@ def test_adds_over_the_queue_wait_in_the_core_instead_of_failing(tiny_model_dir)
         params = SamplingParams(max_tokens=6, **GREEDY)
         core.conn.send(
             [
-                ("add", "a", [11, 12, 13, 14], params, time.time()),
-                ("add", "b", [21, 22, 23], params, time.time()),
+                Add("a", [11, 12, 13, 14], params, time.time()),
+                Add("b", [21, 22, 23], params, time.time()),
             ]
         )
         core.gate.set()
@@ -232,14 +233,14 @@ def test_abort_of_a_request_still_queued_in_the_core(tiny_model_dir):
     core = InProcessCore(tiny_model_dir, max_num_seqs=1, max_waiting=1)
     try:
         params = SamplingParams(max_tokens=200, **GREEDY)
-        adds = [("add", rid, [5, 6, 7], params, time.time()) for rid in "abc"]
-        core.conn.send(adds + [("abort", "c")])  # c never reached the engine's queue
+        adds = [Add(rid, [5, 6, 7], params, time.time()) for rid in "abc"]
+        core.conn.send(adds + [Abort("c")])  # c never reached the engine's queue
         core.gate.set()
         assert core.finals({"c"})["c"][1][0][4] == "abort"
-        core.conn.send([("abort", "a"), ("abort", "b")])
+        core.conn.send([Abort("a"), Abort("b")])
         assert {r[1][0][4] for r in core.finals({"a", "b"}).values()} == {"abort"}
         wait_for(lambda: not core.engine.has_unfinished(), what="idle")
-        assert core.engine.block_manager.num_used == 0 and core.engine.stats["num_aborts"] == 3
+        assert core.engine.block_manager.num_used == 0 and core.core.stats()["num_aborts"] == 3
     finally:
         core.close()
 
@@ -248,9 +249,9 @@ def test_a_dying_loop_tells_the_replica_why(tiny_model_dir):
     core = InProcessCore(tiny_model_dir, fault_injection=True)
     core.gate.set()
     prompt = core.engine.tokenizer.encode("__fault:loop__ go")
-    core.conn.send([("add", "x", prompt, SamplingParams(max_tokens=4), time.time())])
+    core.conn.send([Add("x", prompt, SamplingParams(max_tokens=4), time.time())])
     core.thread.join(30)
     messages = []
     while core.conn.poll(0.5):
         messages.append(core.conn.recv())
-    assert messages[-1][0] == "dead" and "injected fault at loop" in messages[-1][1]
+    assert isinstance(messages[-1], Dead) and "injected fault at loop" in messages[-1].error

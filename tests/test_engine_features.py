@@ -1,7 +1,9 @@
-"""Engine behaviours: prefix caching, chunked prefill fairness, abort, tool calls, stops, budget forcing."""
+"""Engine behaviours: prefix caching, chunked prefill fairness, abort, tool calls, stops, budget forcing,
+fault injection (off: never called per token; on: fails only its request)."""
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -9,6 +11,8 @@ import torch
 
 from engine import LLM
 from engine.config import EngineConfig
+from engine.core_messages import Add
+from engine.faults import FaultInjector
 from engine.llm_engine import LLMEngine
 from engine.nanochat import Engine as NanochatEngine
 from engine.sampler import PendingSample
@@ -170,7 +174,7 @@ def test_calculator_works_inside_the_engine_core_loop(tiny_model_dir):
     runner.sampler = ForcedSampler(runner, end, lambda call, i, r: call == 1)
     prompt = [tok.token_id(tool.python_start)] + tok.encode("6*7", add_special_tokens=False)
     try:
-        core.conn.send([("add", "calc", prompt, SamplingParams(max_tokens=8, tool=tool, **GREEDY), 0.0)])
+        core.conn.send([Add("calc", prompt, SamplingParams(max_tokens=8, tool=tool, **GREEDY), 0.0)])
         core.gate.set()
         tokens = []
         core.finals({"calc"}, on_record=lambda rec: tokens.extend(t for s in rec[1] for t in s[1]))
@@ -210,6 +214,50 @@ def test_budget_forcing_holds_the_suppress_token_until_the_budget(tiny_model_dir
     assert first >= 15
     wait = tok.encode("Wait", add_special_tokens=False)
     assert tokens[2 : 2 + len(wait)] == wait  # the first suppressed sample became "Wait"
+
+
+def test_budget_forcing_cycles_its_replacements(tiny_model_dir):
+    engine = make_engine(tiny_model_dir)
+    tok = engine.tokenizer
+    bf = BudgetForcing(suppress="</think>", replacements=["Wait", "Hmm"], min_tokens=20)
+    rid = engine.add_request([5, 6, 7], SamplingParams(max_tokens=30, budget_forcing=bf, **GREEDY))
+    (seq,) = engine.requests[rid].seqs
+    forced_at = {1, 8}  # the first two samples, then every later one until the budget is spent: none
+    engine.runner.sampler = ForcedSampler(
+        engine.runner, tok.token_id("</think>"), lambda call, i, r: call in forced_at
+    )
+    drain(engine)
+    assert seq.state.budget_forcings == 2
+    pairs = zip(seq.output_ids, seq.masks, strict=True)
+    forced_runs = [[t for t, _ in run] for mask, run in itertools.groupby(pairs, lambda p: p[1]) if not mask]
+    assert forced_runs == [tok.encode(w, add_special_tokens=False) for w in ("Wait", "Hmm")]
+
+
+def test_faults_off_never_call_the_injector(tiny_model_dir, monkeypatch):
+    def boom(*args):
+        raise AssertionError("FaultInjector.check called with fault injection off")
+
+    monkeypatch.setattr(FaultInjector, "check", boom)
+    llm = LLM(str(tiny_model_dir), dtype="float64")
+    params = SamplingParams(max_tokens=6, stop=["zzz"], tool=ToolConfig(), **GREEDY)
+    (res,) = llm.generate(["__fault:sample__ __fault:detokenize__ hi"], params)
+    assert res.outputs[0].finish_reason == "length" and res.outputs[0].error is None
+
+
+@pytest.mark.parametrize("point", ["sample", "detokenize"])
+def test_a_fault_fails_only_its_request(tiny_model_dir, point):
+    engine = make_engine(tiny_model_dir, fault_injection=True)
+    params = SamplingParams(max_tokens=4, **GREEDY)
+    faulty = engine.add_request(f"__fault:{point}__ hi", params)
+    healthy = engine.add_request("hi", params)
+    finals = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                finals[o.request_id] = o.outputs[0]
+    assert finals[faulty].finish_reason == "error"
+    assert f"injected fault at {point}" in finals[faulty].error
+    assert finals[healthy].finish_reason == "length" and finals[healthy].error is None
 
 
 def test_nanochat_generate_batch_matches_llm(tiny_model_dir, reference):

@@ -1,15 +1,15 @@
-"""The power sampler's parsing and windowing (benchmarks/gpu_power.py), on rows written by hand, and the
-arithmetic of the energy probe (benchmarks/energy_probe.py).
+"""The power sampler's parsing and windowing (benchmarks/gpu_power.py: the harness records the clock and the
+power of every decode figure), on rows written by hand, and the decode note that reports them.
 
-Reference: the expected medians, minimum, capped share, sums and energies are worked out by hand from the
-inputs below; the row format is nvidia-smi's `--format=csv,noheader,nounits` for the sampler's query.
+Reference: the expected medians, minimum, capped share and energy are worked out by hand from the inputs
+below; the row format is nvidia-smi's `--format=csv,noheader,nounits` for the sampler's query.
 """
 
 from __future__ import annotations
 
 from datetime import datetime
 
-from benchmarks import energy_probe, gpu_power
+from benchmarks import gpu_power
 from benchmarks.report import _decode_note
 
 
@@ -72,34 +72,3 @@ def test_smi_device_follows_cuda_visible_devices(monkeypatch):
     assert gpu_power.smi_device(1) == "5"
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     assert gpu_power.smi_device(1) == "1"
-
-
-def _part(name: str, us: float, nbytes: int, watts: float) -> energy_probe.Part:
-    power = {"watts_p50": watts, "sm_mhz_p50": 1875.0, "power_capped_pct": 100.0, "limit_watts": 700.0}
-    return energy_probe.Part(name, us, nbytes, power)
-
-
-def test_energy_probe_predicts_the_step_from_times_and_from_energy_at_the_limit():
-    attn, gemms, lm = (
-        _part("attn", 70.0, 279_000_000, 700.0),
-        _part("gemms", 120.0, 1, 690.0),
-        _part("lm", 280.0, 1, 690.0),
-    )
-    assert attn.row()["pJ/byte"] == 175.6  # 700 W x 70 us = 49 mJ over 279 MB
-    got = energy_probe.predict([attn, gemms], [lm], layers=32, limit_watts=700.0)
-    # times: 32 x (70 + 120) + 280 = 6,360 us
-    # energy: 32 x (49 + 82.8) + 193.2 = 4,410.8 mJ, over 700 W = 6,301.1 us
-    assert got["step_us_from_times"] == 6360.0
-    assert abs(got["step_mJ"] - 4410.8) < 1e-9
-    assert abs(got["step_us_at_limit"] - 4410.8 / 700 * 1e3) < 1e-9
-    # a read of 1 GB in 250 us at 660 W (165 mJ): 25 GB take 6,250 us and 4,125 mJ, >= 5,893 us at 700 W
-    reads = energy_probe.predict_read(25 * 10**9, _part("read", 250.0, 10**9, 660.0), limit_watts=700.0)
-    assert [round(reads[k], 6) for k in ("step_us_from_times", "step_mJ")] == [6250.0, 4125.0]
-    assert abs(reads["step_us_at_limit"] - 4125 / 700 * 1e3) < 1e-9
-    report = {"env": {"hardware": {"gpu": "H200", "nvidia_smi": "700.00 W"}}, "command": "c", "commit": "x",
-              "batch": 64, "ctx": 1064, "layers": 32, "limit_watts": 700.0, "step_bytes": 25 * 10**9,
-              "parts": [attn.row()], "predictions": {"kernels": got, "reads": reads}}  # fmt: skip
-    text = energy_probe.markdown(report)
-    assert "| attn | 70.0 | 3986 | 1875 | 700 | 100 | 49.0 | 175.6 |" in text
-    assert "lm_head): 6,360 us at the measured speed, 4,411 mJ, so >= 6,301 us at the 700 W limit." in text
-    assert "Its 25.00 GB as a plain read: 6,250 us at the measured speed, 4,125 mJ, so >= 5,893 us" in text

@@ -322,7 +322,7 @@ def test_disconnect_storm_frees_every_block_within_a_second(server, http):
         + ["--log-dir", f"{server.session_dir}/logs/serve", "--seed", "0"]
     )
     report = disconnect_storm.run(args)
-    assert report["ok"], report
+    assert report["ok"], json.dumps(report, indent=1, default=str)
     cuts = report["cuts"]
     assert cuts["before_headers"] >= 100 and cuts["first_token"] >= 50 and cuts["mid_stream"] >= 20, cuts
     assert report["settle_s"] <= 1.0 and report["stats_after"]["kv_blocks_used"] == 0

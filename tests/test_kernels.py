@@ -9,7 +9,7 @@ Outputs are poisoned with NaN before each call (kernels write into `out=`), and 
 no sequence owns hold NaN, so a missed store or a stray read shows up as a NaN mismatch (the shared
 pieces are in tests/kernel_helpers.py; the fp8 KV cache's cases in tests/test_kernels_fp8_kv.py).
 
-test_hopper_compile (no GPU needed) runs `benchmarks/kernel_bench.py --compile-only` in a subprocess
+test_hopper_compile (no GPU needed) runs `python -m tests.hopper_compile kernels` in a subprocess
 (the interpreter flag is fixed per process): every kernel is built for Hopper (sm_90) through its real
 launcher with a stand-in driver, and must fit shared memory and use 16-byte global loads.
 """
@@ -20,6 +20,7 @@ from tests.kernel_env import CUDA_OK, INTERPRET  # first: it chooses TRITON_INTE
 
 # isort: split
 import importlib
+import math
 import os
 import subprocess
 import sys
@@ -277,17 +278,52 @@ def _dispatch_inputs(device: str, dtype: torch.dtype):
     return env, x, w, q, k, cos_sin, positions
 
 
-def test_dispatch_elementwise_on_cpu_gives_twin_results() -> None:
-    env, x, w, q, k, cos_sin, positions = _dispatch_inputs("cpu", torch.float32)
+def _naive_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
+    return x / torch.sqrt((x * x).sum(-1, keepdim=True) / x.shape[-1] + eps) * (offset + w)
+
+
+def _naive_rotary(x: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Neox RoPE as a complex product: the pair (i, i + D/2) is the number x_i + j x_{i+D/2}, turned by
+    cos + j sin read from cos_sin[position] (cos in the first half of the row, sin in the second)."""
+    half = x.shape[-1] // 2
+    turn = torch.complex(cos_sin[positions, :half], cos_sin[positions, half:])[:, None, :]
+    z = torch.complex(x[..., :half], x[..., half:]) * turn
+    return torch.cat((z.real, z.imag), -1)
+
+
+def test_cpu_dispatch_runs_no_kernel_and_matches_a_naive_recompute(monkeypatch) -> None:
+    """On CPU tensors ops must not reach a Triton launcher (each is replaced by one that raises), and what
+    it returns (the torch twins, the reference of every kernel test) must match the definitions written
+    out independently in float64: RMS as sqrt(sum x^2 / n + eps), RoPE as a complex rotation, silu as
+    g / (1 + e^-g), GeLU-tanh from its formula."""
+
+    def no_kernel(*args, **kwargs):
+        raise AssertionError("a Triton launcher was called on CPU tensors")
+
+    launchers = {"triton_norm": ("rms_norm", "add_rms_norm"), "triton_rope": ("apply_rotary",),
+                 "triton_act": ("silu_and_mul", "gelu_tanh_and_mul")}  # fmt: skip
+    for mod, fns in launchers.items():
+        for fn in fns:
+            monkeypatch.setattr(K[mod], fn, no_kernel)
+    _, x, w, q, k, cos_sin, positions = _dispatch_inputs("cpu", torch.float32)
     assert not ops.use_triton(x)
-    got, want = ops.rms_norm(x, w, 1e-5, 1.0), torch_ops.rms_norm(x, w, 1e-5, 1.0)
-    torch.testing.assert_close(got, want, atol=0, rtol=0)
-    got, want = ops.add_rms_norm(x, 2 * x, w, 1e-5), torch_ops.add_rms_norm(x, 2 * x, w, 1e-5)
-    torch.testing.assert_close(got, want, atol=0, rtol=0)
-    got, want = ops.apply_rotary(q, k, positions, cos_sin), torch_ops.apply_rotary(q, k, positions, cos_sin)
-    torch.testing.assert_close(got, want, atol=0, rtol=0)
-    torch.testing.assert_close(ops.silu_and_mul(x), torch_ops.silu_and_mul(x), atol=0, rtol=0)
-    torch.testing.assert_close(ops.gelu_tanh_and_mul(x), torch_ops.gelu_tanh_and_mul(x), atol=0, rtol=0)
+    xd, wd, csd = x.double(), w.double(), cos_sin.double()
+
+    def check(got: torch.Tensor, want: torch.Tensor) -> None:
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+    check(ops.rms_norm(x, w, 1e-5, 1.0), _naive_rms_norm(xd, wd, 1e-5, 1.0))
+    normed, summed = ops.add_rms_norm(x, 2 * x, w, 1e-5)
+    check(summed, 3 * xd)
+    check(normed, _naive_rms_norm(3 * xd, wd, 1e-5, 0.0))
+    q_out, k_out = ops.apply_rotary(q, k, positions, cos_sin)
+    check(q_out, _naive_rotary(q.double(), csd, positions))
+    check(k_out, _naive_rotary(k.double(), csd, positions))
+    gate, up = xd[:, :48], xd[:, 48:]
+    check(ops.silu_and_mul(x), gate / (1 + torch.exp(-gate)) * up)
+    inner = math.sqrt(2 / math.pi) * (gate + 0.044715 * gate**3)
+    check(ops.gelu_tanh_and_mul(x), 0.5 * gate * (1 + torch.tanh(inner)) * up)
 
 
 def _route(env: Env, monkeypatch) -> list[str]:
@@ -488,10 +524,10 @@ def test_interpreter_subprocess() -> None:
 
 def test_hopper_compile() -> None:
     """Every kernel, launched through its real launcher, compiles for sm_90, fits H100 shared memory and
-    moves global memory in 16-byte vectors (benchmarks/kernel_bench.py --compile-only; own process,
-    since the interpreter flag is fixed when the kernels are defined)."""
+    moves global memory in 16-byte vectors (tests/hopper_compile.py; own process, since the interpreter
+    flag is fixed when the kernels are defined)."""
     root = Path(__file__).resolve().parents[1]
     envvars = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(root)}
-    proc = subprocess.run([sys.executable, "benchmarks/kernel_bench.py", "--compile-only"], cwd=root,
+    proc = subprocess.run([sys.executable, "-m", "tests.hopper_compile", "kernels"], cwd=root,
                           env=envvars, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

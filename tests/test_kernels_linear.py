@@ -3,7 +3,7 @@
 CPU (`make test`): TRITON_INTERPRET=1 runs the kernel on small fp32 / fp16 shapes with odd N and K
 (partial last row tile, masked last K tile), both tile configs and NaN-poisoned outputs, so a missed
 store or a wrong tail shows. GPU (marker `gpu`): the real Llama shapes in bf16 and CUDA-graph replay;
-the sm_90 build of benchmarks/linear_bench.py runs here without a GPU (own process: the interpreter
+the sm_90 build (tests/hopper_compile.py gemv) runs here without a GPU (own process: the interpreter
 flag is fixed when the kernels are defined).
 """
 
@@ -147,8 +147,8 @@ def test_bias_and_graph_replay_bf16() -> None:
 
 def test_hopper_compile() -> None:
     """The kernel builds for sm_90 through the real launcher (stand-in driver, no GPU): shared memory
-    fits, no register spills, W moves in 16-byte loads (benchmarks/linear_bench.py --compile-only)."""
+    fits, no register spills, W moves in 16-byte loads (tests/hopper_compile.py gemv)."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT), "TRITON_DEFAULT_FP_FUSION": "1"}
-    proc = subprocess.run([sys.executable, "benchmarks/linear_bench.py", "--compile-only"], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-m", "tests.hopper_compile", "gemv"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

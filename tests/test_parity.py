@@ -218,7 +218,7 @@ def test_config_spellings_agree(family, tmp_path):
         assert getattr(old, name) == getattr(new, name), name
     assert old.torch_dtype == "bfloat16"
     if family == "gemma3":
-        assert new.sliding_windows == [16, None, 16, None] and new.rope_local_base_freq == 10000.0
+        assert new.sliding_windows == (16, None, 16, None) and new.rope_local_base_freq == 10000.0
         assert new.rope_scaling == {"rope_type": "linear", "factor": 4.0}
     if family == "llama":
         assert new.rope_scaling["rope_type"] == "llama3"

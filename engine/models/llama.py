@@ -2,12 +2,15 @@
 
 Every other family subclasses LlamaForCausalLM and overrides only what differs: the class switches
 (qk_norm, sandwich_norms, norm_weight_offset) or the small hooks (build_rotaries, rotary_for_layer,
-attention_scale, attention_softcap, embed, checkpoint_name). Module names follow HF checkpoints
-(model.layers.N.self_attn...) so the loader maps tensor names one to one, except q/k/v and gate/up,
-which are merged (packed_modules).
+attention_scale, attention_softcap, embed, checkpoint_name), and for config.json (engine/model_config)
+its model_type, config_defaults and the parsing hooks (text_config, local_rope_theta, layer_layout).
+Module names follow HF checkpoints (model.layers.N.self_attn...) so the loader maps tensor names one to
+one, except q/k/v and gate/up, which are merged (packed_modules).
 """
 
 from __future__ import annotations
+
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -26,6 +29,22 @@ from kernels import ops
 
 
 class LlamaForCausalLM(nn.Module):
+    model_type: ClassVar[str] = "llama"  # ModelConfig.model_type of the checkpoints this class builds
+    # Defaults of transformers' LlamaConfig: a field missing from config.json takes these.
+    config_defaults: ClassVar[dict[str, Any]] = dict(
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        hidden_act="silu",
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-6,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+        rope_theta=10000.0,
+    )
     qk_norm = False  # RMSNorm on q and k per head before RoPE (Qwen3, Gemma 3)
     sandwich_norms = False  # extra norms after attention and after the MLP (Gemma 3)
     norm_weight_offset = 0.0  # 1.0 where checkpoints store w for a (1 + w) scale (Gemma)
@@ -76,6 +95,19 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings and name == "lm_head.weight":  # a saved copy of the tied matrix
             return None
         return name
+
+    # ---- config.json hooks (engine/model_config.ConfigFamily) -------------------------------------
+    @classmethod
+    def text_config(cls, raw: dict) -> tuple[dict, bool]:
+        return raw, False
+
+    @classmethod
+    def local_rope_theta(cls, d: dict) -> float | None:
+        return None
+
+    @classmethod
+    def layer_layout(cls, d: dict, num_layers: int, source: str) -> tuple[Any, list[str]]:
+        return None, ["full_attention"] * num_layers
 
     # ---- model -----------------------------------------------------------------------------------
     def build_layer(self, i: int) -> DecoderLayer:

@@ -1,27 +1,24 @@
-"""model_type (config.json) -> model class."""
+"""model_type (config.json) -> model class. A family's class also parses its config.json fields
+(engine/model_config.ConfigFamily), so adding a family is its own file plus one entry here."""
 
 from __future__ import annotations
 
-from torch import nn
-
-from engine.model_config import SUPPORTED_MODEL_TYPES
 from engine.models.gemma3 import Gemma3ForCausalLM
 from engine.models.llama import LlamaForCausalLM
 from engine.models.qwen3 import Qwen3ForCausalLM
 
-MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "llama": LlamaForCausalLM,
     "qwen3": Qwen3ForCausalLM,
     "gemma3_text": Gemma3ForCausalLM,
     "gemma3": Gemma3ForCausalLM,  # multimodal wrapper: only its language model is built
 }
-assert set(MODEL_REGISTRY) == set(SUPPORTED_MODEL_TYPES), "keep model_config.SUPPORTED_MODEL_TYPES in sync"
 
 
-def get_model_class(model_type: str) -> type[nn.Module]:
+def get_model_class(model_type: str) -> type[LlamaForCausalLM]:
     try:
         return MODEL_REGISTRY[model_type]
-    except KeyError:
+    except (KeyError, TypeError):  # TypeError: an unhashable model_type in a malformed config.json
         raise ValueError(
             f"model_type {model_type!r} is not supported; supported types: {', '.join(MODEL_REGISTRY)}"
         ) from None
