@@ -14,6 +14,7 @@ import csv
 import hashlib
 import io
 import stat
+import subprocess
 import zipfile
 from pathlib import Path
 
@@ -182,3 +183,27 @@ def test_the_host_freeze_becomes_exclusions_and_constraints(pyproject: Path, tmp
     assert cmd[cmd.index("--constraint") + 1] == str(pins)
     args = wh.parse_args(["build", "--have-file", "host.txt"])
     assert args.have_file == Path("host.txt")
+
+
+def test_resolve_drops_a_host_version_the_registry_lacks(tmp_path, monkeypatch):
+    """pip names the constraint that made the resolution impossible; it is dropped and pip runs again
+    with the rest, and a failure pip does not blame on a host version is raised."""
+    seen: list[list[str]] = []
+
+    def fake_run(cmd, capture_output, text):
+        pins = (tmp_path / "host.txt").read_text().split()
+        seen.append(pins)
+        if "numpy==9.9.9" in pins:
+            blame = "The conflict is caused by:\n    The user requested (constraint) numpy==9.9.9\n"
+            return subprocess.CompletedProcess(cmd, 1, "", blame)
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(wh.subprocess, "run", fake_run)
+    pins = ["grpcio==1.84.0", "numpy==9.9.9"]
+    wh.resolve(["ray"], tmp_path / "r.json", "3.12", "manylinux_2_17_x86_64", tmp_path / "host.txt", pins)
+    assert seen == [pins, ["grpcio==1.84.0"]]
+
+    failing = lambda cmd, **_: subprocess.CompletedProcess(cmd, 1, "", "boom")  # noqa: E731
+    monkeypatch.setattr(wh.subprocess, "run", failing)
+    with pytest.raises(RuntimeError, match="boom"):
+        wh.resolve(["ray"], tmp_path / "r.json", "3.12", "manylinux_2_17_x86_64", tmp_path / "host.txt", [])
