@@ -8,7 +8,7 @@ the driver, so a typo fails `serve run` at once instead of crash-looping a repli
 """
 
 import os
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from ray.serve import Application
@@ -53,6 +53,11 @@ class AppArgs(BaseModel):
         None, description="require 'Authorization: Bearer <key>' on every route; default: $MINSERVE_API_KEY"
     )
     max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1, description="larger request bodies get 413")
+    reasoning_parser: Literal["think"] | None = Field(
+        None,
+        description="'think': chat answers put a leading <think>...</think> in reasoning_content "
+        "(thinking models); a request's include_reasoning overrides it",
+    )
     null_core_step_ms: float | None = Field(
         None, gt=0, description="benchmarks only: a core without a model, one token per stream per step"
     )
@@ -114,4 +119,5 @@ def build_app(args: AppArgs) -> Application:
         # read here, in the driver: the replicas may run where this shell's environment is not
         api_key=args.api_key or os.environ.get("MINSERVE_API_KEY") or None,
         max_body_bytes=args.max_body_bytes,
+        reasoning_parser=args.reasoning_parser,
     )

@@ -1,7 +1,8 @@
 """The ingress's side of the engine deployment: start engine streams, await their first item, merge them.
 
 A request with P prompts is P engine requests. `open` starts them all and waits for each one's first
-item (accepted, or an ApiError), so the caller knows the HTTP status before it sends a byte. `merge`
+item (accepted, or an ApiError), so the caller knows the HTTP status before it sends a byte; each
+stream keeps its accepted item (`accepted`: prompt facts the replica reports, app/prompts.py). `merge`
 then yields (prompt index, item) pairs as they arrive. A failed Ray call (replica gone, backpressure)
 becomes an ApiError item, so the caller has a single error path. `cancel` on a stream that has not
 finished cancels the engine request (the replica's generator sees CancelledError and aborts).
@@ -41,6 +42,7 @@ class EngineStream:
     def __init__(self, index: int, gen: DeploymentResponseGenerator, retry_after: int):
         self.index, self.gen, self.retry_after = index, gen, retry_after
         self.done = False  # the engine side has returned: nothing to cancel
+        self.accepted: dict = {}  # the first item, once `open` has it
 
     def cancel(self) -> None:
         if not self.done:
@@ -68,11 +70,20 @@ class EngineClient:
         self._retry_after = retry_after
 
     async def open(
-        self, prompts: list, params: SamplingParams, request_id: str
+        self,
+        prompts: list,
+        params: SamplingParams,
+        request_id: str,
+        arrival_time: float | None = None,
+        echo: bool = False,
     ) -> list[EngineStream] | ApiError:
-        """Start one engine request per prompt; return the streams once all accepted, else the first error."""
+        """Start one engine request per prompt; return the streams once all accepted, else the first error.
+        arrival_time: the ingress's time.time() at the request's arrival (the latency metrics' origin)."""
+        generate = self._stream.generate
         streams = [
-            EngineStream(i, self._stream.generate.remote(p, params, f"{request_id}-{i}"), self._retry_after)
+            EngineStream(
+                i, generate.remote(p, params, f"{request_id}-{i}", arrival_time, echo), self._retry_after
+            )
             for i, p in enumerate(prompts)
         ]
         try:
@@ -84,6 +95,8 @@ class EngineClient:
         if errors:
             cancel_all(streams)
             return errors[0]
+        for s, first in zip(streams, firsts):
+            s.accepted = first
         return streams
 
 

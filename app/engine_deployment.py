@@ -35,11 +35,13 @@ from collections.abc import AsyncIterator
 
 from ray import serve
 
+from app import prompts
+from app.chat import ChatPrompt
 from app.errors import ApiError, from_engine_error, internal, overloaded
 from app.metrics import ServerMetrics
 from app.streaming import Pacer, Stream, to_wire
 from engine.config import EngineConfig
-from engine.errors import EngineError
+from engine.errors import EngineError, PromptTooLongError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -50,7 +52,8 @@ SWITCH_INTERVAL_S = 0.001
 
 def _log_finished(out: RequestOutput) -> None:
     """The one INFO line per request: how it ended, its sizes, and where its time went, from its arrival
-    here: first scheduled in the core, first token sampled in the core, first token here, finished."""
+    at the ingress: first scheduled in the core, first token sampled in the core, first token here,
+    finished."""
     m = out.metrics
     ms = lambda t: f"{1000 * (t - m.arrival_time):.1f}" if t is not None else "-"
     reasons = ",".join(sorted({d.finish_reason for d in out.outputs if d.finish_reason}))
@@ -115,16 +118,25 @@ class EngineDeployment:
         self._poller.start()
 
     async def generate(
-        self, prompt: str | list[int] | list[dict], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt: str | list[int] | ChatPrompt,
+        params: SamplingParams,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+        echo: bool = False,
     ) -> AsyncIterator[dict | ApiError]:
-        rid = self._submit(prompt, params, request_id)
-        if isinstance(rid, ApiError):
-            yield rid
+        """arrival_time: when the ingress received the request (time.time()), the origin of the TTFT,
+        queue and e2e histograms. echo: the accepted item carries the prompt's tokens (app/prompts.py)."""
+        received = time.time()
+        submitted = self._submit(prompt, params, request_id, arrival_time, echo)
+        if isinstance(submitted, ApiError):
+            yield submitted
             return
-        stream = self._streams[rid] = Stream()
+        rid, facts = submitted
+        stream = self._streams[rid] = Stream(received)
         finished = False
         try:
-            yield {"kind": "accepted", "request_id": rid}
+            yield {"kind": "accepted", "request_id": rid, **facts}
             async for item in self._coalesce(stream):
                 finished = item["finished"]
                 yield item
@@ -134,7 +146,9 @@ class EngineDeployment:
                 self.engine.abort(rid)
                 self._schedule_flush()
 
-    def _submit(self, prompt, params: SamplingParams, request_id: str | None) -> str | ApiError:
+    def _submit(
+        self, prompt, params: SamplingParams, request_id: str | None, arrival_time: float | None, echo: bool
+    ) -> tuple[str, dict] | ApiError:
         """Admission check, then hand the request to the engine core."""
         if len(self._streams) >= self._limit:
             message = (
@@ -143,15 +157,22 @@ class EngineDeployment:
             )
             return overloaded(message, self._retry_after)
         self._loop = self._loop or asyncio.get_running_loop()
+        chat = isinstance(prompt, ChatPrompt)
         try:
-            rid = self.engine.submit(prompt, params, request_id=request_id)
+            prompt, facts = prompts.prepare(self.engine.tokenizer, prompt, echo)
+            try:
+                rid = self.engine.submit(prompt, params, request_id=request_id, arrival_time=arrival_time)
+            except PromptTooLongError as exc:
+                raise prompts.prompt_too_long(
+                    exc, self.engine.tokenizer, prompt, params, self.engine.limits, chat
+                ) from exc
         except EngineError as exc:
             return from_engine_error(exc, self._retry_after)
         except Exception as exc:  # a bug, not the client's fault: say so instead of hanging the request
             logger.exception("submit failed")
             return internal(f"engine rejected the request: {type(exc).__name__}: {exc}")
         self._schedule_flush()
-        return rid
+        return rid, facts
 
     def _schedule_flush(self) -> None:
         """Send what this turn of the event loop queued for the core, once, at the end of the turn."""
@@ -205,7 +226,7 @@ class EngineDeployment:
                     stream.gaps += 1
                 stream.prev_token_t = arrived
             if out.finished:
-                self._metrics.observe_finished(out)
+                self._metrics.observe_finished(out, stream.received)
                 _log_finished(out)
             stream.outs.append(out)
             stream.wake.set()
@@ -249,6 +270,20 @@ class EngineDeployment:
             "max_model_len": self.engine.max_model_len,
             "vocab_size": self.engine.tokenizer.vocab_size,
         }
+
+    def tokenize(self, source: str | ChatPrompt, add_special_tokens: bool | None) -> dict | ApiError:
+        try:
+            return prompts.tokenize(
+                self.engine.tokenizer, source, add_special_tokens, self.engine.max_model_len
+            )
+        except EngineError as exc:
+            return from_engine_error(exc, self._retry_after)
+
+    def detokenize(self, tokens: list[int]) -> dict | ApiError:
+        try:
+            return prompts.detokenize(self.engine.tokenizer, tokens)
+        except EngineError as exc:
+            return from_engine_error(exc, self._retry_after)
 
     def is_alive(self) -> bool:
         return self.engine.is_alive()

@@ -1,9 +1,10 @@
 """One error shape for every failure: OpenAI's {"error": {"message", "type", "param", "code"}}.
 
 `ApiError` is plain data (picklable), so the engine deployment can hand it to the ingress as a stream
-item instead of raising across the Ray boundary. Status codes: 400 malformed request or prompt too long,
-404 unknown model or route, 422 unknown or invalid field, 503 overloaded or engine down (with
-Retry-After), 500 anything unexpected.
+item instead of raising across the Ray boundary. Status codes: 400 malformed request, unsupported
+field or prompt too long, 404 unknown model or route, 415 a body that is not JSON, 422 unknown or
+invalid field, 503 overloaded or engine down (with Retry-After), 500 anything unexpected. The table of
+every (status, code) is docs/api.md's "Errors"; FastAPI's own errors are mapped in app/http_errors.py.
 """
 
 from __future__ import annotations

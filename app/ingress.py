@@ -3,7 +3,10 @@
 Every generation request goes through the engine's streaming `generate` (also when the client asked
 for one JSON body), and the first item of every engine stream is awaited before the response starts:
 an overload or a rejected prompt becomes a proper 4xx/5xx with an OpenAI error body, never a 200
-followed by a broken stream. Hardening (API key, body-size limit) belongs in `install_hooks`.
+followed by a broken stream. Hardening (API key, body-size limit) belongs in `install_hooks`; error
+answers FastAPI produces, and the log line per rejected request, in app/http_errors.py. Latency
+metrics start when the request reached the ingress (`arrival_time`, stamped by the security middleware
+before the body is read), passed to the engine replica with each engine request.
 
 No `from __future__ import annotations` here: FastAPI must see the route parameters' real types
 (Serve re-wraps the methods, and string annotations would then not resolve: the body would be
@@ -16,16 +19,16 @@ import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app import security
 from app.engine_client import EngineClient, EngineStream, call_failure, cancel_all, merge
 from app.errors import ApiError, from_engine_error, internal
-from app.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from app.http_errors import install_error_handlers, reject
+from app.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from app.responses import ModelCard, ModelList
 from app.sse import DONE, ResponseAssembler, item_error, sse_error
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
@@ -45,49 +48,14 @@ def install_hooks(app: FastAPI) -> None:
 install_hooks(api)
 
 
-@api.exception_handler(RequestValidationError)
-async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    errors = exc.errors()
-    first = errors[0] if errors else {"type": "invalid", "loc": (), "msg": "invalid request"}
-    if first["type"] == "json_invalid":
-        detail = first.get("ctx", {}).get("error", "")
-        return ApiError(
-            400, f"malformed JSON body: {detail}; send a JSON object", code="invalid_json"
-        ).response()
-    path = [str(p) for p in first["loc"] if p != "body"]
-    field = path[0] if path else None  # the top-level request field; the message carries the full path
-    where = ".".join(path) or "body"
-    if first["type"] == "extra_forbidden":
-        message = f"unknown field '{where}': remove it (see docs/api.md for the fields this server takes)"
-    elif first["type"] == "missing":
-        message = f"{where}: field required"
-    else:
-        message = f"{where}: {first['msg']}"
-    if len(errors) > 1:
-        message += f" (and {len(errors) - 1} more problem(s))"
-    return ApiError(422, message, param=field, code=first["type"]).response()
+install_error_handlers(api)
 
 
-@api.exception_handler(StarletteHTTPException)
-async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    if exc.status_code == 400 and exc.__cause__ is not None:  # FastAPI could not decode the body
-        return ApiError(400, _unparsable_body(exc.__cause__), code="invalid_json").response()
-    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-    return ApiError(exc.status_code, str(exc.detail), kind).response()
-
-
-def _unparsable_body(cause: BaseException) -> str:
-    if isinstance(cause, UnicodeDecodeError):
-        return f"request body is not valid UTF-8 (byte {cause.object[cause.start]:#04x} at {cause.start})"
-    if isinstance(cause, RecursionError):
-        return "request body JSON is nested too deeply: send a flat JSON object"
-    return f"could not parse the request body as JSON ({type(cause).__name__}); send a JSON object"
-
-
-@api.exception_handler(Exception)
-async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-    logger.exception("unhandled error")
-    return internal(f"internal error: {type(exc).__name__}").response()
+# Defined before the deployment class: Serve pickles the class with the module globals it sees then.
+def arrival_time(request: Request) -> float:
+    """When the ingress received the request: the security middleware stamps it before reading the
+    body; time.time(), because the engine replica and core compare it with their own time.time()."""
+    return getattr(request.state, "arrival_time", None) or time.time()
 
 
 @serve.deployment(name="Ingress")
@@ -101,8 +69,12 @@ class Ingress:
         retry_after_s: int = 1,
         api_key: str | None = None,
         max_body_bytes: int = security.DEFAULT_MAX_BODY_BYTES,
+        reasoning_parser: str | None = None,
     ):
+        if reasoning_parser not in (None, "think"):
+            raise ValueError(f"reasoning_parser: must be 'think' or null, got {reasoning_parser!r}")
         security.configure(api_key, max_body_bytes)
+        self._reasoning_default = reasoning_parser == "think"
         self._engine = engine
         self._client = EngineClient(engine, retry_after_s)
         self._model = model_name
@@ -148,45 +120,101 @@ class Ingress:
     # ------------------------------------------------------------ generation routes
 
     @api.post("/v1/completions")
-    async def completions(self, body: CompletionRequest) -> Response:
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        arrival = arrival_time(request)
         if body.model != self._model:
-            return self._unknown_model(body.model)
+            return reject(request, self._unknown_model(body.model))
         try:
             prompts, params = body.prompts(), body.sampling_params()
         except InvalidRequestError as exc:
-            return from_engine_error(exc, self._retry_after).response()
-        out = ResponseAssembler(False, f"cmpl-{uuid.uuid4().hex}", self._model, params.n, len(prompts))
-        return await self._respond(prompts, params, out, body.stream, body.include_usage)
+            return reject(request, from_engine_error(exc, self._retry_after))
+        out = ResponseAssembler(
+            False,
+            f"cmpl-{uuid.uuid4().hex}",
+            self._model,
+            params.n,
+            len(prompts),
+            echo=body.echo,
+            logprobs=body.logprobs is not None,
+            prompt_logprobs=body.prompt_logprobs is not None,
+            continuous_usage=body.continuous_usage,
+        )
+        return await self._respond(request, prompts, params, out, body, arrival, body.echo)
 
     @api.post("/v1/chat/completions")
-    async def chat_completions(self, body: ChatCompletionRequest) -> Response:
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
+        arrival = arrival_time(request)
         if body.model != self._model:
-            return self._unknown_model(body.model)
+            return reject(request, self._unknown_model(body.model))
         try:
-            params = body.sampling_params(self._default_max_tokens)
+            params, prompt = body.sampling_params(self._default_max_tokens), body.chat_prompt()
         except InvalidRequestError as exc:
-            return from_engine_error(exc, self._retry_after).response()
-        out = ResponseAssembler(True, f"chatcmpl-{uuid.uuid4().hex}", self._model, params.n, 1)
-        return await self._respond([body.engine_messages()], params, out, body.stream, body.include_usage)
+            return reject(request, from_engine_error(exc, self._retry_after))
+        out = ResponseAssembler(
+            True,
+            f"chatcmpl-{uuid.uuid4().hex}",
+            self._model,
+            params.n,
+            1,
+            logprobs=body.logprobs,
+            prompt_logprobs=body.prompt_logprobs is not None,
+            continuous_usage=body.continuous_usage,
+            reasoning=body.reasoning(self._reasoning_default),
+        )
+        return await self._respond(request, [prompt], params, out, body, arrival, False)
 
-    def _unknown_model(self, name: str) -> JSONResponse:
+    # ------------------------------------------------------------ tokenizer routes (vLLM's shapes)
+
+    @api.post("/tokenize")
+    async def tokenize(self, body: TokenizeRequest, request: Request) -> Response:
+        if body.model is not None and body.model != self._model:
+            return reject(request, self._unknown_model(body.model))
+        try:
+            source = body.source()
+        except InvalidRequestError as exc:
+            return reject(request, from_engine_error(exc, self._retry_after))
+        return await self._tokenizer_call(request, self._engine.tokenize, source, body.add_special_tokens)
+
+    @api.post("/detokenize")
+    async def detokenize(self, body: DetokenizeRequest, request: Request) -> Response:
+        if body.model is not None and body.model != self._model:
+            return reject(request, self._unknown_model(body.model))
+        return await self._tokenizer_call(request, self._engine.detokenize, body.tokens)
+
+    async def _tokenizer_call(self, request: Request, method, *args) -> Response:
+        try:
+            result = await method.remote(*args)
+        except Exception as exc:
+            return reject(request, call_failure(exc, self._retry_after))
+        return reject(request, result) if isinstance(result, ApiError) else JSONResponse(result)
+
+    def _unknown_model(self, name: str) -> ApiError:
         return ApiError(
             404,
             f"model '{name}' does not exist; this server serves '{self._model}' (GET /v1/models)",
             "not_found_error",
             "model",
             "model_not_found",
-        ).response()
+        )
 
     async def _respond(
-        self, prompts: list, params: SamplingParams, out: ResponseAssembler, stream: bool, include_usage: bool
+        self,
+        request: Request,
+        prompts: list,
+        params: SamplingParams,
+        out: ResponseAssembler,
+        body: CompletionRequest | ChatCompletionRequest,
+        arrival: float,
+        echo: bool,
     ) -> Response:
-        streams = await self._client.open(prompts, params, out.id)
+        streams = await self._client.open(prompts, params, out.id, arrival, echo)
         if isinstance(streams, ApiError):
-            return streams.response()
-        if stream:
+            return reject(request, streams)
+        for s in streams:
+            out.set_prompt(s.index, s.accepted)
+        if body.stream:
             return StreamingResponse(
-                self._sse(streams, out, include_usage),
+                self._sse(streams, out, body.include_usage),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
@@ -194,7 +222,7 @@ class Ingress:
             async for index, item in merge(streams):
                 err = item if isinstance(item, ApiError) else item_error(item)
                 if err is not None:
-                    return err.response()
+                    return reject(request, err)
                 out.add(index, item)
             return JSONResponse(out.final())
         finally:

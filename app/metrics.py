@@ -1,17 +1,22 @@
 """Serving metrics through ray.serve.metrics, exported at Ray's metrics port with a `ray_` prefix.
 
-Histograms are observed per request (TTFT, queue time, end-to-end), timed in the engine replica from
-the request's arrival there. Inter-token latency is aggregated per streamed item (chunk): one
-observation per item, the mean gap between the engine steps that brought its tokens, so the Ray calls
-scale with items (at most stream_items_per_s), not tokens. Each Ray call costs ~2 us of this replica's
-GIL, and per token they took a sixth of the replica's samples under load. The event loop only counts
-values into local buckets (`ItlBuckets.add`); a background thread replays them into the Ray histogram
-every 0.1 s, each bucket's count at the mean of its values, so bucket counts and the sum stay exact.
-Counters and gauges come from the engine core's stats, polled by the engine deployment: counters
-advance by the difference between two polls of the engine's running totals, so a poll that is missed
-or late loses nothing. Ray adds the application, deployment and replica tags; we add `model`.
+Histograms are observed per request (TTFT, queue time, end-to-end), measured from the moment the ingress
+received the request (its time.time(), passed to the engine replica as `arrival_time` and kept by the
+engine as RequestMetrics.arrival_time), so they include the HTTP front and the hop to the replica, as a
+client sees them. The engine's own TTFT, from the request's arrival in the replica to the core sampling
+its first token (RequestMetrics.engine_token_time), is a histogram of its own. Inter-token latency is
+aggregated per streamed item (chunk): one observation per item, the mean gap between the engine steps
+that brought its tokens, so the Ray calls scale with items (at most stream_items_per_s), not tokens.
+Each Ray call costs ~2 us of this replica's GIL, and per token they took a sixth of the replica's
+samples under load. The event loop only counts values into local buckets (`ItlBuckets.add`); a
+background thread replays them into the Ray histogram every 0.1 s, each bucket's count at the mean of
+its values, so bucket counts and the sum stay exact. Counters and gauges come from the engine core's
+stats, polled by the engine deployment: counters advance by the difference between two polls of the
+engine's running totals, so a poll that is missed or late loses nothing. Ray adds the application,
+deployment and replica tags; we add `model`.
 Prometheus names (Ray appends `_total` to counters):
-ray_minserve_{time_to_first_token,inter_token_latency,e2e_request_latency,queue_time}_seconds,
+ray_minserve_{time_to_first_token,engine_time_to_first_token,inter_token_latency,e2e_request_latency,
+queue_time}_seconds,
 ray_minserve_{prompt_tokens,generation_tokens,preemptions,aborts,errors}_total,
 ray_minserve_{num_running,num_waiting,kv_blocks_used,kv_blocks_total,prefix_cache_hit_rate,
 ongoing_requests}.
@@ -85,14 +90,25 @@ class ServerMetrics:
             return h
 
         self.ttft = histogram(
-            "minserve_time_to_first_token_seconds", "Arrival to first token.", _LATENCY_BUCKETS
+            "minserve_time_to_first_token_seconds",
+            "Ingress arrival to first token in the engine replica.",
+            _LATENCY_BUCKETS,
+        )
+        self.engine_ttft = histogram(
+            "minserve_engine_time_to_first_token_seconds",
+            "Engine replica arrival to first token sampled by the engine core.",
+            _LATENCY_BUCKETS,
         )
         self.itl = histogram(
             "minserve_inter_token_latency_seconds", "Time between a stream's tokens.", _ITL_BUCKETS
         )
         self._itl_buckets = ItlBuckets(_ITL_BUCKETS)
-        self.e2e = histogram("minserve_e2e_request_latency_seconds", "Arrival to finish.", _E2E_BUCKETS)
-        self.queue = histogram("minserve_queue_time_seconds", "Arrival to first scheduled.", _LATENCY_BUCKETS)
+        self.e2e = histogram(
+            "minserve_e2e_request_latency_seconds", "Ingress arrival to finish.", _E2E_BUCKETS
+        )
+        self.queue = histogram(
+            "minserve_queue_time_seconds", "Ingress arrival to first scheduled.", _LATENCY_BUCKETS
+        )
         self._counters = {
             key: Counter(name, description=text, tag_keys=("model",))
             for key, (name, text) in _COUNTERS.items()
@@ -107,14 +123,17 @@ class ServerMetrics:
             metric.set_default_tags({"model": model_name})
         self._last_totals: dict[str, float] = {}
 
-    def observe_finished(self, out: RequestOutput) -> None:
-        """Per-request latencies from the request's timestamps (time.time() in the replica and the core,
-        one host's clock, so differences are valid)."""
+    def observe_finished(self, out: RequestOutput, replica_arrival: float | None = None) -> None:
+        """Per-request latencies from the request's timestamps (time.time() in the ingress, the replica
+        and the core; differences across hosts are as good as their clocks' agreement, hence the
+        clamping at 0). replica_arrival: when the replica got the request, for the engine's own TTFT."""
         m = out.metrics
         if m is None:
             return
         if m.first_token_time is not None:
             self.ttft.observe(max(0.0, m.first_token_time - m.arrival_time))
+        if m.engine_token_time is not None and replica_arrival is not None:
+            self.engine_ttft.observe(max(0.0, m.engine_token_time - replica_arrival))
         if m.first_scheduled_time is not None:
             self.queue.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
         if m.finished_time is not None:

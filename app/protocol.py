@@ -1,18 +1,30 @@
-"""OpenAI-compatible request and response models, and their mapping onto engine SamplingParams.
+"""OpenAI-compatible request models, and their mapping onto engine SamplingParams.
 
-Requests forbid unknown fields (extra="forbid"), so a misspelt or unsupported option is a 422 that
-names the field instead of being silently ignored. Value ranges are checked once, by SamplingParams;
-its InvalidRequestError carries the field name, which the ingress reports as the error's `param`.
+Requests forbid unknown fields (extra="forbid"), so a misspelt option is a 422 that names the field
+(and the closest known one) instead of being silently ignored; OpenAI fields this server does not
+implement are refused first, with 400 `unsupported_parameter` (app/field_policy.py). Value ranges are
+checked once, by SamplingParams; its InvalidRequestError carries the field name, which the ingress
+reports as the error's `param`. Response bodies are in app/responses.py.
 Extensions beyond OpenAI: top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids,
-include_stop_str_in_output, tools_calculator (nanochat calculator) and budget_forcing.
+include_stop_str_in_output, tools_calculator (nanochat calculator), budget_forcing, and vLLM's
+prompt_logprobs, stream_options.continuous_usage_stats, chat_template_kwargs, add_generation_prompt,
+continue_final_message and include_reasoning.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from app.chat import ChatPrompt
+from app.field_policy import (
+    CHAT_UNSUPPORTED,
+    COMPLETION_UNSUPPORTED,
+    MESSAGE_UNSUPPORTED,
+    model_field_names,
+    reject_unsupported,
+)
 from engine.errors import InvalidRequestError
 from engine.sampling_params import BudgetForcing, SamplingParams, ToolConfig
 
@@ -25,6 +37,8 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    # vLLM's extension: usage on every chunk (of the engine request the chunk belongs to)
+    continuous_usage_stats: bool = False
 
 
 class BudgetForcingArgs(_Strict):
@@ -55,13 +69,28 @@ class _SamplingRequest(_Strict):
     include_stop_str_in_output: bool = False
     tools_calculator: bool = False
     budget_forcing: BudgetForcingArgs | None = None
-    user: str | None = None  # accepted for OpenAI compatibility, unused
+    logit_bias: dict[str, float] | None = None  # OpenAI's shape: token id (as a string) -> bias
+    prompt_logprobs: int | None = None  # vLLM: each prompt token's logprob plus the top k
+    # accepted and ignored: they do not change what is generated (docs/api.md, field policy)
+    user: str | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    parallel_tool_calls: bool | None = None  # meaningful only with tools, which are refused
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def _sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+    def _sampling_params(
+        self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None
+    ) -> SamplingParams:
         forcing = None
         if self.budget_forcing is not None:
             forcing = BudgetForcing(**self.budget_forcing.model_dump())
@@ -83,6 +112,8 @@ class _SamplingRequest(_Strict):
             include_stop_str_in_output=self.include_stop_str_in_output,
             tool=ToolConfig() if self.tools_calculator else None,
             budget_forcing=forcing,
+            prompt_logprobs=prompt_logprobs,
+            logit_bias=dict(self.logit_bias) if self.logit_bias is not None else None,  # keys: ids as strings
         )
 
 
@@ -92,6 +123,12 @@ PromptType = str | list[int] | list[str] | list[list[int]]
 class CompletionRequest(_SamplingRequest):
     prompt: PromptType
     logprobs: int | None = None  # completions: number of top alternatives per token
+    echo: bool = False  # the prompt (as the model saw it: its decoded tokens) before the completion
+
+    @model_validator(mode="before")
+    @classmethod
+    def refuse_unsupported(cls, raw: Any) -> Any:
+        return reject_unsupported(raw, COMPLETION_UNSUPPORTED)
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per engine request; a list of strings or of token-id lists gives several."""
@@ -102,8 +139,16 @@ class CompletionRequest(_SamplingRequest):
             raise InvalidRequestError("prompt: must not be empty", field="prompt")
         return list(p)
 
+    @property
+    def prompt_logprobs_k(self) -> int | None:
+        """What to ask the engine for: echo with logprobs covers the prompt too (OpenAI's legacy echo),
+        prompt_logprobs asks for it alone; the larger top k serves both. None: the prefill computes none."""
+        wanted = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
+        return max(wanted) if wanted else None
+
     def sampling_params(self) -> SamplingParams:
-        return self._sampling_params(16 if self.max_tokens is None else self.max_tokens, self.logprobs)
+        max_tokens = 16 if self.max_tokens is None else self.max_tokens
+        return self._sampling_params(max_tokens, self.logprobs, self.prompt_logprobs_k)
 
 
 class TextPart(_Strict):
@@ -115,6 +160,12 @@ class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    refusal: str | None = None  # accepted and ignored (an earlier assistant turn may carry it)
+
+    @model_validator(mode="before")
+    @classmethod
+    def refuse_unsupported(cls, raw: Any) -> Any:
+        return reject_unsupported(raw, MESSAGE_UNSUPPORTED, "messages[].")
 
     def as_engine_message(self) -> dict[str, str]:
         content = self.content
@@ -128,9 +179,49 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # extra template variables (enable_thinking, ...)
+    add_generation_prompt: bool | None = None  # default: true, or false with continue_final_message
+    continue_final_message: bool = False
+    include_reasoning: bool | None = None  # split <think>...</think> off; default: the server's setting
+
+    @model_validator(mode="before")
+    @classmethod
+    def refuse_unsupported(cls, raw: Any) -> Any:
+        return reject_unsupported(raw, CHAT_UNSUPPORTED)
 
     def engine_messages(self) -> list[dict[str, str]]:
         return [m.as_engine_message() for m in self.messages]
+
+    def chat_prompt(self) -> ChatPrompt:
+        """What the engine replica renders with the model's template (app/chat.py)."""
+        if self.continue_final_message and self.add_generation_prompt:
+            raise InvalidRequestError(
+                "continue_final_message: cannot be combined with add_generation_prompt=true (the last "
+                "message is continued, so no new assistant turn is opened): drop add_generation_prompt",
+                "continue_final_message",
+            )
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise InvalidRequestError(
+                "continue_final_message: the last message must be an assistant message to continue",
+                "continue_final_message",
+            )
+        add = (
+            not self.continue_final_message
+            if self.add_generation_prompt is None
+            else self.add_generation_prompt
+        )
+        return ChatPrompt(
+            self.engine_messages(), add, self.continue_final_message, dict(self.chat_template_kwargs or {})
+        )
+
+    def reasoning(self, server_default: bool) -> str:
+        """'split' (reasoning_content + content), 'drop' (content only) or 'off' (raw text in content).
+        include_reasoning=false with the server's parser on drops the reasoning, as vLLM does."""
+        if self.include_reasoning is None:
+            return "split" if server_default else "off"
+        if self.include_reasoning:
+            return "split"
+        return "drop" if server_default else "off"
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
@@ -138,7 +229,9 @@ class ChatCompletionRequest(_SamplingRequest):
         k = (self.top_logprobs or 0) if self.logprobs else None
         limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         try:
-            return self._sampling_params(default_max_tokens if limit is None else limit, k)
+            return self._sampling_params(
+                default_max_tokens if limit is None else limit, k, self.prompt_logprobs
+            )
         except InvalidRequestError as exc:
             if exc.field == "logprobs":  # chat names the count top_logprobs
                 raise InvalidRequestError(
@@ -147,121 +240,38 @@ class ChatCompletionRequest(_SamplingRequest):
             raise
 
 
-# ---------------------------------------------------------------- responses
+class TokenizeRequest(_Strict):
+    """vLLM's /tokenize: a text `prompt`, or chat `messages` rendered with the model's template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (in the template)
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def source(self) -> str | ChatPrompt:
+        if (self.prompt is None) == (self.messages is None):
+            raise InvalidRequestError("prompt: give either prompt or messages (one of them)", "prompt")
+        if self.prompt is not None:
+            return self.prompt
+        if not self.messages:
+            raise InvalidRequestError("messages: must not be empty", "messages")
+        chat = ChatCompletionRequest(
+            model=self.model or "",
+            messages=self.messages,
+            add_generation_prompt=self.add_generation_prompt,
+            continue_final_message=self.continue_final_message,
+            chat_template_kwargs=self.chat_template_kwargs,
+        )
+        return chat.chat_prompt()
 
 
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int = 0
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
 
 
-class UsageInfo(BaseModel):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
-    prompt_tokens_details: PromptTokensDetails | None = None
-
-
-class CompletionLogprobs(BaseModel):
-    tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
-    text_offset: list[int] = Field(default_factory=list)
-
-
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class CompletionResponse(BaseModel):
-    """Both the non-streaming body and each streamed chunk (OpenAI uses one shape for both)."""
-
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
-
-
-class ChatTopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class ChatTokenLogprob(ChatTopLogprob):
-    top_logprobs: list[ChatTopLogprob] = Field(default_factory=list)
-
-
-class ChatLogprobs(BaseModel):
-    content: list[ChatTokenLogprob] = Field(default_factory=list)
-
-
-class ChatResponseMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: ChatResponseMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: UsageInfo
-
-
-class ChatDelta(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-
-class ChatChunkChoice(BaseModel):
-    index: int
-    delta: ChatDelta
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: UsageInfo | None = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "minserve"
-    max_model_len: int | None = None  # extension, as in vLLM
-    vocab_size: int | None = None  # extension: lets load generators send valid token-id prompts
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorInfo
+# Every declared field name, for the closest-name hint of an unknown field (app/field_policy.py)
+KNOWN_FIELDS = model_field_names(CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)

@@ -18,7 +18,11 @@ from __future__ import annotations
 
 import hmac
 import json
+import logging
+import time
 from dataclasses import dataclass
+
+logger = logging.getLogger("ray.serve")
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB: a 128k-token prompt as JSON token ids is ~0.8 MB
 
@@ -58,7 +62,10 @@ def _authorized(scope: dict, api_key: str) -> bool:
     return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
 
 
-async def _send_error(send, status: int, message: str, code: str, extra_headers=()) -> None:
+async def _send_error(scope, send, status: int, message: str, code: str, extra_headers=()) -> None:
+    logger.info(
+        "rejected %s %s: %d %s param=None: %s", scope.get("method"), scope.get("path"), status, code, message
+    )
     error = {"message": message, "type": "invalid_request_error", "param": None, "code": code}
     body = json.dumps({"error": error}, separators=(",", ":")).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
@@ -82,24 +89,28 @@ class SecurityMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        # the latency metrics' origin (app/ingress.arrival_time): before anything else is done here
+        scope.setdefault("state", {})["arrival_time"] = time.time()
         cfg = _settings
         if cfg.api_key is not None and not _authorized(scope, cfg.api_key):
             message = "missing or invalid API key: send the header 'Authorization: Bearer <key>'"
-            await _send_error(send, 401, message, "invalid_api_key", [(b"www-authenticate", b"Bearer")])
+            await _send_error(
+                scope, send, 401, message, "invalid_api_key", [(b"www-authenticate", b"Bearer")]
+            )
             return
         declared = _header(scope, b"content-length")
         if declared is not None:
             if not declared.isdigit():
-                await _send_error(send, 400, "Content-Length: not a number", "invalid_content_length")
+                await _send_error(scope, send, 400, "Content-Length: not a number", "invalid_content_length")
                 return
             if int(declared) > cfg.max_body_bytes:
                 await _send_error(
-                    send, 413, _too_large(cfg.max_body_bytes, int(declared)), "request_too_large"
+                    scope, send, 413, _too_large(cfg.max_body_bytes, int(declared)), "request_too_large"
                 )
                 return
         body = await _read_body(receive, cfg.max_body_bytes)
         if body is _TOO_LARGE:
-            await _send_error(send, 413, _too_large(cfg.max_body_bytes), "request_too_large")
+            await _send_error(scope, send, 413, _too_large(cfg.max_body_bytes), "request_too_large")
         elif body is not _GONE:
             await self.app(scope, _replay(body, receive), send)
 

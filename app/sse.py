@@ -4,6 +4,11 @@ A request with P prompts and n samples has P*n choices; choice index = prompt_in
 (OpenAI's order). Items come from app/engine_deployment.py (`to_wire`). SSE framing is
 `data: {json}\\n\\n` per event and `data: [DONE]\\n\\n` last; a failure ends the stream with one
 `data: {"error": ...}` event instead of [DONE], so every stream has exactly one terminal event.
+
+Per prompt, what the prompt itself contributes (echo text, its logprobs, vLLM's prompt_logprobs) goes
+out with that prompt's first item: streaming, as one chunk of its own before the item's chunk.
+With continuous usage stats every chunk carries the usage of the engine request it belongs to
+(prompt_tokens fixed, completion_tokens so far); the last usage chunk sums all prompts.
 """
 
 from __future__ import annotations
@@ -11,17 +16,16 @@ from __future__ import annotations
 import json
 import time
 
+from app import logprob_shapes as shapes
 from app.errors import ApiError
-from app.protocol import (
+from app.reasoning import ThinkSplitter
+from app.responses import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
     ChatCompletionResponse,
     ChatDelta,
-    ChatLogprobs,
     ChatResponseMessage,
-    ChatTokenLogprob,
-    ChatTopLogprob,
     CompletionChoice,
     CompletionLogprobs,
     CompletionResponse,
@@ -55,43 +59,64 @@ def item_error(item: dict) -> ApiError | None:
     return None
 
 
-def _chat_logprobs(entries: list[dict]) -> ChatLogprobs:
-    def top(token: str, logprob: float) -> ChatTopLogprob:
-        return ChatTopLogprob(token=token, logprob=logprob, bytes=list(token.encode("utf-8")))
-
-    return ChatLogprobs(
-        content=[
-            ChatTokenLogprob(
-                token=e["token"],
-                logprob=e["logprob"],
-                bytes=list(e["token"].encode("utf-8")),
-                top_logprobs=[top(t, v) for t, v in e["top"]],
-            )
-            for e in entries
-        ]
-    )
-
-
 class ResponseAssembler:
-    """State of one HTTP response: usage per prompt, text offsets, and (non-streaming) accumulated text."""
+    """State of one HTTP response: usage per prompt, text offsets, and (non-streaming) accumulated text.
 
-    def __init__(self, chat: bool, request_id: str, model: str, n: int, num_prompts: int):
+    echo / logprobs / prompt_logprobs: what the request asked for; reasoning: "split", "drop" or "off"
+    (app/protocol.ChatCompletionRequest.reasoning); `set_prompt` gives each prompt's accepted facts."""
+
+    def __init__(
+        self,
+        chat: bool,
+        request_id: str,
+        model: str,
+        n: int,
+        num_prompts: int,
+        *,
+        echo: bool = False,
+        logprobs: bool = False,
+        prompt_logprobs: bool = False,
+        continuous_usage: bool = False,
+        reasoning: str = "off",
+    ):
         self.chat, self.id, self.model, self.n = chat, request_id, model, n
+        self.echo, self.logprobs, self.prompt_logprobs = echo, logprobs, prompt_logprobs
+        self.continuous_usage, self.reasoning = continuous_usage, reasoning
         self.created = int(time.time())
         size = n * num_prompts
         self._usage: dict[int, tuple[int, int, int]] = {}  # prompt index -> (prompt, completion, cached)
         self._offsets = [0] * size  # completions logprobs text_offset, running per choice
         self._text: list[list[str]] = [[] for _ in range(size)]
+        self._reasoning: list[list[str]] = [[] for _ in range(size)]
         self._logprobs: list[list[dict]] = [[] for _ in range(size)]
         self._finish: list[str | None] = [None] * size
+        self._facts: list[dict] = [{} for _ in range(num_prompts)]  # accepted item per prompt
+        self._prompt_lp: list[list | None] = [None] * num_prompts  # the item's prompt logprobs
+        self._prompt_sent = [not (echo or prompt_logprobs)] * num_prompts
+        self._split = [ThinkSplitter() for _ in range(size)] if reasoning != "off" else None
+
+    def set_prompt(self, prompt_index: int, facts: dict) -> None:
+        self._facts[prompt_index] = facts
+        if self._split is not None and facts.get("starts_in_think"):
+            for i in range(prompt_index * self.n, (prompt_index + 1) * self.n):
+                self._split[i] = ThinkSplitter(starts_in_think=True)
+        if self.echo:  # generated tokens' offsets count on after the echoed prompt
+            offset = len(self._echo_text(prompt_index))
+            for i in range(prompt_index * self.n, (prompt_index + 1) * self.n):
+                self._offsets[i] = offset
+
+    def _echo_text(self, prompt_index: int) -> str:
+        return "".join(self._facts[prompt_index].get("prompt_token_texts", ()))
 
     def record_usage(self, prompt_index: int, item: dict) -> None:
         self._usage[prompt_index] = (item["prompt_tokens"], item["completion_tokens"], item["cached_tokens"])
+        if item.get("prompt_logprobs") is not None:
+            self._prompt_lp[prompt_index] = item["prompt_logprobs"]
 
-    def usage(self) -> UsageInfo:
-        p = sum(u[0] for u in self._usage.values())
-        c = sum(u[1] for u in self._usage.values())
-        cached = sum(u[2] for u in self._usage.values())
+    def usage(self, prompt_index: int | None = None) -> UsageInfo:
+        """Totals over all prompts, or one prompt's (continuous usage stats)."""
+        usage = self._usage.values() if prompt_index is None else [self._usage[prompt_index]]
+        p, c, cached = (sum(u[k] for u in usage) for k in range(3))
         return UsageInfo(
             prompt_tokens=p,
             completion_tokens=c,
@@ -99,15 +124,25 @@ class ResponseAssembler:
             prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
         )
 
-    def _completion_logprobs(self, index: int, entries: list[dict]) -> CompletionLogprobs:
-        lp = CompletionLogprobs()
-        for e in entries:
-            lp.tokens.append(e["token"])
-            lp.token_logprobs.append(e["logprob"])
-            lp.top_logprobs.append(dict(e["top"]))
-            lp.text_offset.append(self._offsets[index])
-            self._offsets[index] += len(e["token"])
-        return lp
+    def _split_text(self, index: int, text: str, finished: bool) -> tuple[str, str]:
+        """(reasoning, content) of a piece of choice `index`'s text."""
+        if self._split is None:
+            return "", text
+        reasoning, content = self._split[index].feed(text)
+        if finished:
+            r, c = self._split[index].finish()
+            reasoning, content = reasoning + r, content + c
+        return ("" if self.reasoning == "drop" else reasoning), content
+
+    def _prompt_parts(self, prompt_index: int) -> tuple[str, CompletionLogprobs | None, list | None]:
+        """(echo text, its legacy logprobs, vLLM prompt_logprobs) of one prompt, as the request asked."""
+        plp = self._prompt_lp[prompt_index]
+        text = self._echo_text(prompt_index) if self.echo else ""
+        legacy = None
+        if self.echo and self.logprobs and not self.chat:
+            legacy = shapes.echo_logprobs(self._facts[prompt_index].get("prompt_token_texts", []), plp)
+        vllm = shapes.vllm_prompt_logprobs(plp) if self.prompt_logprobs and plp is not None else None
+        return text, legacy, vllm
 
     # ------------------------------------------------------------ streaming
 
@@ -117,41 +152,83 @@ class ResponseAssembler:
             ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))
             for i in range(len(self._finish))
         ]
-        return self._chat_chunk(choices)
+        usage = None
+        if self.continuous_usage:
+            p = self._facts[0].get("prompt_tokens", 0)
+            usage = UsageInfo(prompt_tokens=p, completion_tokens=0, total_tokens=p)
+        return self._chat_chunk(choices, usage)
 
     def chunk(self, prompt_index: int, item: dict) -> str | None:
-        """The SSE event for one item, or None when it carries nothing visible."""
+        """The SSE event(s) for one item, or None when it carries nothing visible."""
         self.record_usage(prompt_index, item)
+        usage = self.usage(prompt_index) if self.continuous_usage else None
+        events = ""
+        if not self._prompt_sent[prompt_index]:
+            self._prompt_sent[prompt_index] = True
+            events = self._prompt_chunk(prompt_index, usage)
         samples = [s for s in item["outputs"] if s["text"] or s["finish_reason"] or s["logprobs"]]
-        if not samples:
-            return None
         if self.chat:
-            return self._chat_chunk(
-                [
+            choices = []
+            for s in samples:
+                index = prompt_index * self.n + s["index"]
+                reasoning, content = self._split_text(index, s["text"], s["finish_reason"] is not None)
+                if self._split is not None and not (
+                    reasoning or content or s["finish_reason"] or s["logprobs"]
+                ):
+                    continue  # all held back (a possible partial tag)
+                delta = ChatDelta(content=content, reasoning_content=reasoning or None)
+                if self._split is not None and not content:
+                    delta.content = None
+                choices.append(
                     ChatChunkChoice(
-                        index=prompt_index * self.n + s["index"],
-                        delta=ChatDelta(content=s["text"]),
-                        logprobs=_chat_logprobs(s["logprobs"]) if s["logprobs"] else None,
+                        index=index,
+                        delta=delta,
+                        logprobs=shapes.chat_logprobs(s["logprobs"]) if s["logprobs"] else None,
                         finish_reason=s["finish_reason"],
                     )
-                    for s in samples
-                ]
-            )
+                )
+            return (events + self._chat_chunk(choices, usage)) if choices else (events or None)
         choices = []
         for s in samples:
             index = prompt_index * self.n + s["index"]
-            lp = self._completion_logprobs(index, s["logprobs"]) if s["logprobs"] else None
+            lp = None
+            if s["logprobs"]:
+                lp, self._offsets[index] = shapes.completion_logprobs(s["logprobs"], self._offsets[index])
             choices.append(
                 CompletionChoice(index=index, text=s["text"], logprobs=lp, finish_reason=s["finish_reason"])
             )
-        body = CompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices)
-        return sse(body.model_dump(exclude={"usage"}))
+        if not choices:
+            return events or None
+        return events + self._completion_chunk(choices, usage)
 
-    def _chat_chunk(self, choices: list[ChatChunkChoice]) -> str:
+    def _prompt_chunk(self, prompt_index: int, usage: UsageInfo | None) -> str:
+        text, legacy, vllm = self._prompt_parts(prompt_index)
+        indexes = range(prompt_index * self.n, (prompt_index + 1) * self.n)
+        if self.chat:
+            return self._chat_chunk(
+                [ChatChunkChoice(index=i, delta=ChatDelta(), prompt_logprobs=vllm) for i in indexes], usage
+            )
+        choices = [
+            CompletionChoice(index=i, text=text, logprobs=legacy, prompt_logprobs=vllm) for i in indexes
+        ]
+        return self._completion_chunk(choices, usage)
+
+    def _completion_chunk(self, choices: list[CompletionChoice], usage: UsageInfo | None) -> str:
+        body = CompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices)
+        payload = body.model_dump(exclude={"usage"})
+        _drop_prompt_logprobs(payload, self.prompt_logprobs)
+        if usage is not None:
+            payload["usage"] = usage.model_dump()
+        return sse(payload)
+
+    def _chat_chunk(self, choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> str:
         body = ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices)
         payload = body.model_dump(exclude={"usage"})
         for c in payload["choices"]:  # a delta carries only the keys it sets
             c["delta"] = {k: v for k, v in c["delta"].items() if v is not None}
+        _drop_prompt_logprobs(payload, self.prompt_logprobs)
+        if usage is not None:
+            payload["usage"] = usage.model_dump()
         return sse(payload)
 
     def usage_chunk(self) -> str:
@@ -166,21 +243,29 @@ class ResponseAssembler:
         self.record_usage(prompt_index, item)
         for s in item["outputs"]:
             index = prompt_index * self.n + s["index"]
-            self._text[index].append(s["text"])
+            if self.chat and self._split is not None:
+                reasoning, content = self._split_text(index, s["text"], s["finish_reason"] is not None)
+                self._reasoning[index].append(reasoning)
+                self._text[index].append(content)
+            else:
+                self._text[index].append(s["text"])
             if s["logprobs"]:
                 self._logprobs[index].extend(s["logprobs"])
             if s["finish_reason"]:
                 self._finish[index] = s["finish_reason"]
 
     def final(self) -> dict:
-        want_lp = any(self._logprobs)
         if self.chat:
             choices = [
                 ChatChoice(
                     index=i,
-                    message=ChatResponseMessage(content="".join(self._text[i])),
-                    logprobs=_chat_logprobs(self._logprobs[i]) if want_lp else None,
+                    message=ChatResponseMessage(
+                        content="".join(self._text[i]),
+                        reasoning_content="".join(self._reasoning[i]) or None,
+                    ),
+                    logprobs=shapes.chat_logprobs(self._logprobs[i]) if self.logprobs else None,
                     finish_reason=self._finish[i],
+                    prompt_logprobs=self._prompt_parts(i // self.n)[2],
                 )
                 for i in range(len(self._text))
             ]
@@ -188,16 +273,29 @@ class ResponseAssembler:
                 id=self.id, created=self.created, model=self.model, choices=choices, usage=self.usage()
             )
         else:
-            choices = [
-                CompletionChoice(
-                    index=i,
-                    text="".join(self._text[i]),
-                    logprobs=self._completion_logprobs(i, self._logprobs[i]) if want_lp else None,
-                    finish_reason=self._finish[i],
+            choices = []
+            for i in range(len(self._text)):
+                echo, legacy, vllm = self._prompt_parts(i // self.n)
+                lp = None
+                if self.logprobs:
+                    lp, self._offsets[i] = shapes.completion_logprobs(self._logprobs[i], self._offsets[i])
+                    lp = shapes.join(legacy, lp) if legacy is not None else lp
+                text = echo + "".join(self._text[i])
+                choices.append(
+                    CompletionChoice(
+                        index=i, text=text, logprobs=lp, finish_reason=self._finish[i], prompt_logprobs=vllm
+                    )
                 )
-                for i in range(len(self._text))
-            ]
             body = CompletionResponse(
                 id=self.id, created=self.created, model=self.model, choices=choices, usage=self.usage()
             )
-        return body.model_dump()
+        payload = body.model_dump()
+        _drop_prompt_logprobs(payload, self.prompt_logprobs)
+        return payload
+
+
+def _drop_prompt_logprobs(payload: dict, asked: bool) -> None:
+    """vLLM's prompt_logprobs key appears only in answers to requests that asked for it."""
+    if not asked:
+        for c in payload["choices"]:
+            c.pop("prompt_logprobs", None)

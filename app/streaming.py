@@ -29,9 +29,21 @@ def to_wire(outs: list[RequestOutput], token_text: Callable[[int], str]) -> dict
     Per sample index: text and token ids concatenate; finish_reason/error come from the delta that set
     them. Usage counts are cumulative in the engine, so the last output's values are the current ones.
     Logprobs carry token strings (the ingress has no tokenizer): {"token", "logprob", "top": [(str, lp)]}.
+    Prompt logprobs come on the request's first output only (when it asked for them), so the item that
+    holds that output carries them, once: [None, {"token_id", "token", "logprob", "top": [(id, str,
+    lp)]}, ...], entry i for prompt position i (the first token has nothing before it to score it).
     """
     samples: dict[int, dict] = {}
+    prompt_logprobs = None
     for out in outs:
+        plp = out.prompt_logprobs
+        if plp is not None:
+            prompt_logprobs = [
+                None if e is None else
+                {"token_id": e.token_id, "token": token_text(e.token_id), "logprob": e.logprob,
+                 "top": [(t, token_text(t), v) for t, v in e.top]}
+                for e in plp
+            ]  # fmt: skip
         for d in out.outputs:
             s = samples.setdefault(d.index, _empty_sample(d.index))
             s["text"] += d.text
@@ -53,6 +65,7 @@ def to_wire(outs: list[RequestOutput], token_text: Callable[[int], str]) -> dict
         "prompt_tokens": last.prompt_tokens,
         "completion_tokens": last.completion_tokens,
         "cached_tokens": last.cached_tokens,
+        "prompt_logprobs": prompt_logprobs,
     }
 
 
@@ -73,9 +86,10 @@ class Pacer:
 class Stream:
     """One request's outputs waiting to be yielded; filled by `_fan_out` on the event loop."""
 
-    __slots__ = ("outs", "wake", "prev_token_t", "gap_sum", "gaps")
+    __slots__ = ("outs", "wake", "prev_token_t", "gap_sum", "gaps", "received")
 
-    def __init__(self) -> None:
+    def __init__(self, received: float = 0.0) -> None:
+        self.received = received  # time.time() when this replica got the request (engine TTFT origin)
         self.outs: list[RequestOutput] = []
         self.wake = asyncio.Event()
         self.prev_token_t: float | None = None  # when the last step that brought tokens reached us

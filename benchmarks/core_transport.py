@@ -27,7 +27,7 @@ REPEATS = 3000
 
 def step_message(n: int) -> Step:
     sample = (0, [12345], [1], None, None, None, False)
-    return Step([(f"cmpl-{i:032x}-0", [sample], False, 0, None) for i in range(n)], None)
+    return Step([(f"cmpl-{i:032x}-0", [sample], False, 0, None, None) for i in range(n)], None)
 
 
 def _receiver(conn, repeats: int, out) -> None:

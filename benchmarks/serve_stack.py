@@ -159,7 +159,7 @@ class Server:
 
 # Ray's default session directory (serve run starts a local Ray; RAY_ADDRESS=local)
 SERVE_LOGS = Path("/tmp/ray/session_latest/logs/serve")
-# the tail of app/engine_deployment._log_finished's line: ms from the request's arrival in the replica
+# the tail of app/engine_deployment._log_finished's line: ms from the request's arrival at the ingress
 _LATENCY = re.compile(r"queue (\S+) ms, engine ttft (\S+) ms, ttft (\S+) ms, e2e (\S+) ms")
 LATENCY_KEYS = ("queue_ms", "engine_ttft_ms", "replica_ttft_ms", "replica_e2e_ms")
 
@@ -171,7 +171,7 @@ def replica_log_marks() -> dict[Path, int]:
 
 def replica_latencies(marks: dict[Path, int]) -> dict:
     """Percentiles of the replica's per-request lines written since `marks`: where a request's time to
-    first token goes, from its arrival in the replica (queue: until the core first scheduled it; engine
+    first token goes, from its arrival at the ingress (queue: until the core first scheduled it; engine
     ttft: until the core sampled its first token; replica ttft: until the replica had it)."""
     from benchmarks.serve_summary import percentiles
 

@@ -145,13 +145,13 @@ LATENCY_COLS = (("queue_ms", "queue"), ("engine_ttft_ms", "engine TTFT"), ("repl
 
 
 def _latency_table(runs: list[dict]) -> list[str]:
-    """Where the time to first token goes, p50 in ms from the request's arrival at the engine (the
-    replica when served; from the replica's log lines) next to the client's TTFT p50."""
+    """Where the time to first token goes, p50 in ms from the request's arrival (at the ingress when
+    served, from the replica's log lines; at add_request offline) next to the client's TTFT p50."""
     rows = [r for r in runs if r.get("latency")]
     if not rows:
         return []
     head = ["variant", "stack", "users", "client TTFT", *(name for _, name in LATENCY_COLS)]
-    lines = ["", "### Where TTFT goes (p50, ms from arrival at the engine)", "",
+    lines = ["", "### Where TTFT goes (p50, ms from arrival: ingress if served, add_request offline)", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]  # fmt: skip
     for r in rows:
         cells = [_f((r["latency"].get(k) or {}).get("p50"), 1) for k, _ in LATENCY_COLS]

@@ -45,9 +45,17 @@ def tokenize(tokenizer, prompt: Prompt, vocab_size: int) -> list[int]:
 
 
 def check(ids: list[int], params: SamplingParams, limits: Limits) -> None:
-    """Raise if the request could never run: empty, longer than the context or the KV pool, n too big."""
+    """Raise if the request could never run: empty, longer than the context or the KV pool, n too big,
+    or a logit_bias token outside the vocabulary."""
     if not ids:
         raise InvalidRequestError("prompt: must not be empty", field="prompt")
+    if params.logit_bias is not None:
+        bad = [t for t in params.logit_bias if t >= limits.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {limits.vocab_size})",
+                field="logit_bias",
+            )
     if len(ids) + params.max_tokens > limits.max_model_len:
         raise PromptTooLongError(
             f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context "

@@ -145,17 +145,51 @@ class ChatTemplate:
         source, origin = find_template_source(model_dir)
         return cls(source, special_tokens, origin)
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
+    def render(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        **kwargs: Any,
+    ) -> str:
         """Render the conversation. kwargs (tools, documents, enable_thinking, ...) reach the template as
-        variables; they override special-token names of the same name."""
+        variables; they override special-token names of the same name.
+
+        continue_final_message: the text ends inside the last (assistant) message, so that generation
+        continues it; as transformers' apply_chat_template does it: render without a generation prompt,
+        then cut after the last occurrence of the final message's text (the template's end-of-turn
+        markup after it is dropped). It excludes add_generation_prompt."""
+        if continue_final_message and add_generation_prompt:
+            raise InvalidRequestError(
+                "continue_final_message: cannot be combined with add_generation_prompt=true",
+                "continue_final_message",
+            )
         variables = {**self.special_tokens, **kwargs}
         variables.setdefault("tools", None)
         variables.setdefault("documents", None)
         try:
-            return self._template.render(
+            text = self._template.render(
                 messages=messages, add_generation_prompt=add_generation_prompt, **variables
             )
         except (jinja2.TemplateError, TypeError) as exc:  # TypeError: e.g. a None where text was expected
             raise InvalidRequestError(
                 f"chat template from {self.origin} rejected the messages: {exc}", "messages"
             ) from exc
+        return _cut_after_final_message(text, messages) if continue_final_message else text
+
+
+def _cut_after_final_message(text: str, messages: list[dict]) -> str:
+    final = messages[-1].get("content") if messages else None
+    if isinstance(final, list):  # content parts: the last text part is what is continued
+        final = next((p.get("text") for p in reversed(final) if isinstance(p, Mapping) and "text" in p), None)
+    if not isinstance(final, str) or not final.strip() or final.strip() not in text:
+        raise InvalidRequestError(
+            "messages: continue_final_message needs a final message with text that the chat template "
+            "writes out; the rendered conversation does not contain it",
+            "messages",
+        )
+    at = text.rindex(final.strip())
+    # The template kept the message's leading/trailing spaces: cut after all of it; else after the text.
+    if text[at : at + len(final.lstrip())] == final:
+        return text[: at + len(final.lstrip())]
+    return text[: at + len(final.strip())]

@@ -53,7 +53,7 @@ STATS_EVERY_S = 0.05  # a stats snapshot rides on a step message at most this of
 
 def _final(rid: str, reason: str, error: str | None = None) -> tuple:
     """The final record of a request the engine never held (aborted or refused on the way in)."""
-    return (rid, [(0, [], [], None, reason, error, False)], True, 0, (None, None))
+    return (rid, [(0, [], [], None, reason, error, False)], True, 0, (None, None), None)
 
 
 class EngineCore:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.faults import Check
-from engine.outputs import CompletionDelta, RequestMetrics, RequestOutput
+from engine.outputs import CompletionDelta, RequestMetrics, RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.text_output import TextStream
 
@@ -45,9 +45,11 @@ class LiveRequest:
         times: tuple[float | None, float | None] | None,
         now: float,
         fault: Check | None,
+        prompt_logprobs: list[TokenLogprob | None] | None = None,
     ) -> RequestOutput:
         """One core record -> the RequestOutput of this step (text deltas, finish reasons). `times`, on
-        the final record only: when the core first scheduled the request and sampled its first token."""
+        the final record only: when the core first scheduled the request and sampled its first token.
+        `prompt_logprobs`, on the one record that carries them: passed on as they are."""
         self.cached_tokens = cached or self.cached_tokens
         if times is not None:
             self.metrics.first_scheduled_time, self.metrics.engine_token_time = times
@@ -57,7 +59,9 @@ class LiveRequest:
         if any(d.token_ids for d in deltas):
             self.metrics.first_token_time = self.metrics.first_token_time or now
             self.metrics.last_token_time = now
-        return self._output(deltas, finished, now)
+        output = self._output(deltas, finished, now)
+        output.prompt_logprobs = prompt_logprobs
+        return output
 
     def _delta(self, index, ids, masks, logprobs, reason, error, stop_token) -> CompletionDelta | None:
         sample = self._sample(index)

@@ -29,10 +29,14 @@ class GenerationResult:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     cached_tokens: int = 0
+    # SamplingParams.prompt_logprobs: entry 0 None, then each prompt token's logprob given those before
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def absorb(self, out: RequestOutput) -> None:
         """Fold one incremental RequestOutput into the accumulated result."""
         self.cached_tokens = out.cached_tokens
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         for d in out.outputs:
             o = self.outputs[d.index]
             o.token_ids += d.token_ids

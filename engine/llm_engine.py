@@ -25,7 +25,7 @@ from engine.core_messages import Record
 from engine.errors import InvalidRequestError, QueueFullError
 from engine.faults import FaultInjector
 from engine.model_runner import ModelRunner
-from engine.output_processor import OutputProcessor
+from engine.output_processor import OutputProcessor, PromptLogprobs
 from engine.outputs import CompletionDelta, RequestOutput
 from engine.request import Request
 from engine.sampler import PendingSample
@@ -52,6 +52,8 @@ class LLMEngine:
         eos = set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids)
         self.processor = OutputProcessor(self.tokenizer, eos, self.max_model_len, self.faults, detokenize)
         self.detokenize = detokenize
+        self.prompt_logprobs = PromptLogprobs()  # of requests with SamplingParams.prompt_logprobs
+        self._prompt_ready = self.prompt_logprobs.ready  # read for every output: empty almost always
         sc = config.scheduler
         self.limits = admission.Limits(
             self.max_model_len, mc.vocab_size, self.block_manager.num_blocks, self.block_manager.block_size,
@@ -203,6 +205,8 @@ class LLMEngine:
         self.scheduler.update_computed(out)
         if result is None:
             return
+        if result.prompt is not None:  # before the samples: the request's next output carries them
+            self.prompt_logprobs.absorb(result.prompt)
         now = time.time()
         samplers = [s for c in out.chunks for s in c.samples]
         for seq, token, logprob in zip(samplers, result.token_ids, result.logprobs, strict=True):
@@ -274,7 +278,10 @@ class LLMEngine:
         self.requests.pop(request.request_id, None)
         request.metrics.finished_time = time.time()
         self.stats["generation_tokens_total"] += request.completion_tokens
-        return self._output(request)
+        output = self._output(request)
+        if request.params.prompt_logprobs is not None:
+            self.prompt_logprobs.drop(request)
+        return output
 
     def _output(self, request: Request) -> RequestOutput:
         deltas = [
@@ -289,17 +296,23 @@ class LLMEngine:
             request.completion_tokens,
             request.cached_tokens,
             request.metrics,
+            self._prompt_ready.pop(request, None) if self._prompt_ready else None,
         )
 
     def _finish_record(self, request: Request) -> Record:
         self.requests.pop(request.request_id, None)
         self.stats["generation_tokens_total"] += request.completion_tokens
-        return self._record(request)
+        record = self._record(request)
+        if request.params.prompt_logprobs is not None:
+            self.prompt_logprobs.drop(request)
+        return record
 
     def _record(self, request: Request) -> Record:
         samples, m = list(self._take_samples(request)), request.metrics
         times = (m.first_scheduled_time, m.first_token_time) if request.finished else None
-        return request.request_id, samples, request.finished, request.cached_tokens, times
+        # the prompt logprobs once, on the first record after the prompt was scored
+        prompt_lps = self._prompt_ready.pop(request, None) if self._prompt_ready else None
+        return request.request_id, samples, request.finished, request.cached_tokens, times, prompt_lps
 
     def _take_samples(self, request: Request):
         """Per sample with news: (index, ids, masks, logprobs, finish reason, error, text or stop-token

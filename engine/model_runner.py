@@ -2,7 +2,9 @@
 
 Per step: perform copy-on-write block copies, pack every scheduled chunk's tokens into one flat batch
 (no padding), describe it with AttentionMetadata, run the model, compute logits only at positions that
-sample, and sample every sampling sequence (n > 1 siblings share one logits row).
+sample, and sample every sampling sequence (n > 1 siblings share one logits row). Prompt chunks of
+requests with prompt_logprobs also get logits at every position (Sampler.score_prompt); a step without
+such a chunk does no extra work.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from engine.models.layers import Attention
 from engine.request import Sequence
 from engine.sampler import PendingSample, Sampler, SamplingRow, stream_key
 from engine.scheduler import SchedulerOutput
-from engine.step_inputs import StepBatch, build_batch, pack, table_width, unpack
+from engine.step_inputs import StepBatch, build_batch, pack, prompt_logprob_rows, table_width, unpack
 from engine.uploader import Uploader
 
 
@@ -46,6 +48,7 @@ class ModelRunner:
         for layer, (k_cache, v_cache) in zip(attn_layers, self.kv_caches, strict=True):
             layer.k_cache, layer.v_cache = k_cache, v_cache
         self.sampler = Sampler(self.model_config.vocab_size, self.device)
+        self._no_samples = torch.empty(0, dtype=torch.long, device=self.device)  # a step that only scores
         self.upload = Uploader(self.device)
         # unseeded sequences draw from stream (base, seq_id); the base follows load.seed (set above)
         self.unseeded_base = int(torch.randint(0, 2**62, (1,)).item())
@@ -65,20 +68,25 @@ class ModelRunner:
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, prev: PendingSample | None = None) -> PendingSample | None:
-        """Enqueue the step on the device and return its samples unresolved (None: nothing samples).
-        A step scheduled ahead (out.prev_rows) takes its input ids from `prev`'s sampled ids."""
+        """Enqueue the step on the device and return its samples (and prompt scores) unresolved (None:
+        nothing samples or scores). A step scheduled ahead (out.prev_rows) takes its input ids from
+        `prev`'s sampled ids."""
         self._copy_blocks(out.block_copies)
         batch = build_batch(out, self.block_size)
         hidden = self._forward(batch, self._fed_back(out, prev))
+        scores = None
+        if out.prompt_logprob_chunks:  # prompt logprobs: only steps with a request that asks
+            plan = prompt_logprob_rows(out, batch)
+            scores = self.sampler.score_prompt(self.model.compute_logits, hidden, plan)
         if not batch.samplers:
-            return None
+            return None if scores is None else PendingSample(self._no_samples, None, [], scores)
         if batch.logit_rows != list(range(len(batch.input_ids))):  # decode steps sample every row
             hidden = hidden.index_select(0, self.upload.values("logit_rows", batch.logit_rows, torch.long))
         logits = self.model.compute_logits(hidden)
         if batch.sample_rows != list(range(len(batch.logit_rows))):  # n > 1 siblings share a row
             logits = logits.index_select(0, self.upload.values("sample_rows", batch.sample_rows, torch.long))
         rows = [self._sampling_row(s, p) for s, p in zip(batch.samplers, batch.draw_positions, strict=True)]
-        return self.sampler(logits, rows)
+        return self.sampler(logits, rows) if scores is None else self.sampler(logits, rows, scores)
 
     def _fed_back(self, out: SchedulerOutput, prev: PendingSample | None) -> torch.Tensor | None:
         """The input ids of a step scheduled ahead: rows of the previous step's samples, on the device."""

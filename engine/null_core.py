@@ -1,7 +1,8 @@
 """A stand-in for the LLMEngine inside the engine core process, for measuring the serving path alone.
 
 It loads no model. Every `step_ms` it gives each running request one token, as a decode step of a
-real engine would, and finishes a request after max_tokens (reason "length"). Everything after the
+real engine would, and finishes a request after max_tokens (reason "length"; max_tokens 0: at once,
+with no token). Everything after the
 core (records, the replica's detokenization and fan-out, Serve's streaming, the ingress, the proxy)
 is the real code, so a served run against it shows the Serve path's own ceiling: at P streams the
 ideal is P * 1000 / step_ms tokens per second. Enabled by `null_core_step_ms` in serve_config.yaml.
@@ -71,13 +72,15 @@ class NullEngine:
             self.running.append(request)
         records, still, now = [], [], time.time()
         for r in self.running:
-            token = 8 + (hash(r.request_id) + r.emitted) % (self.limits.vocab_size - 8)
-            r.emitted += 1
+            tokens = [8 + (hash(r.request_id) + r.emitted) % (self.limits.vocab_size - 8)]
+            if r.params.max_tokens == 0:
+                tokens = []  # score-only: finishes by length with no token
+            r.emitted += len(tokens)
             r.first_token = r.first_token or now
             done = r.emitted >= r.params.max_tokens
-            sample = (0, [token], [1], None, "length" if done else None, None, False)
+            sample = (0, tokens, [1] * len(tokens), None, "length" if done else None, None, False)
             times = (r.first_scheduled, r.first_token) if done else None
-            records.append((r.request_id, [sample], done, 0, times))
+            records.append((r.request_id, [sample], done, 0, times, None))
             if done:
                 self._drop(r)
             else:
@@ -96,7 +99,7 @@ class NullEngine:
         self._drop(request)
         self.stats["num_aborts"] += reason == "abort"
         times = (request.first_scheduled, request.first_token)
-        return (rid, [(0, [], [], None, reason, None, False)], True, 0, times)
+        return (rid, [(0, [], [], None, reason, None, False)], True, 0, times, None)
 
     def stop_sample(self, rid: str, index: int) -> None:
         self.abort_record(rid, "stop")

@@ -8,9 +8,10 @@ Token-level work (`append`, between two steps unless the next one was launched a
 Text-level work (`detokenize`, deferred until the next step is running on the GPU):
   4. incremental detokenisation and stop strings (engine/text_output.TextStream).
 An engine built with detokenize=False (the server's engine core) skips step 4: its caller does it.
-Forced tokens get mask 0 and are computed next step like any pending tokens. The per-sample state is
-the sequence's SampleState (engine/request.py). Fault injection is bound once here: when it is off, no
-per-token code calls into the injector.
+Prompt logprobs arrive per scored prompt chunk and are handed out once the prompt is complete
+(`PromptLogprobs`). Forced tokens get mask 0 and are computed next step like any pending tokens. The
+per-sample state is the sequence's SampleState (engine/request.py). Fault injection is bound once
+here: when it is off, no per-token code calls into the injector.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 from engine.calculator import evaluate, format_result
 from engine.faults import FaultInjector
 from engine.outputs import TokenLogprob
-from engine.request import Sequence
+from engine.request import Request, Sequence
 from engine.text_output import TextStream
 from engine.tokenizer import Tokenizer
 
@@ -70,12 +71,22 @@ class OutputProcessor:
             st.ends_with_stop_token = True  # a stop token / EOS is never part of the text
         over = seq.num_output - params.max_tokens
         if over >= 0:
-            if over > 0:  # forced tokens overshot the budget: keep exactly max_tokens
-                del seq.token_ids[-over:], seq.masks[-over:], st.pending_ids[-over:], st.pending_masks[-over:]
+            if over > 0:  # forced tokens overshot the budget, or max_tokens is 0: keep exactly max_tokens
+                self._trim(seq, over)
+                reason = None  # a stop token can only be cut here when max_tokens is 0: it ends by length
             reason = reason or "length"
         if seq.num_tokens >= self.max_model_len:
             reason = reason or "length"
         return reason
+
+    @staticmethod
+    def _trim(seq: Sequence, over: int) -> None:
+        """Drop the last `over` output tokens (and the logprobs of the sampled ones among them)."""
+        st = seq.state
+        del seq.token_ids[-over:], seq.masks[-over:], st.pending_ids[-over:], st.pending_masks[-over:]
+        if st.pending_logprobs:  # one per sampled (mask 1) pending token
+            del st.pending_logprobs[sum(st.pending_masks) :]
+        st.ends_with_stop_token = False
 
     def detokenize(self, seq: Sequence) -> bool:
         """Text-level work, done while the GPU runs the next step: new text and stop strings.
@@ -140,3 +151,37 @@ class OutputProcessor:
     def take_text(self, seq: Sequence, final: bool) -> str:
         """Text ready to emit ("" when the engine leaves text to its caller)."""
         return self._text(seq).take(final) if self.detokenize_text else ""
+
+
+class PromptLogprobs:
+    """Prompt logprobs (SamplingParams.prompt_logprobs) gathered over a request's prompt chunks and
+    handed out once, when the chunk that completes the prompt has been scored. Entry i is the logprob
+    of prompt token i given the tokens before it; entry 0 is None (nothing predicts the first token).
+    A chunk recomputed before completion (preemption) overwrites its positions with the same values."""
+
+    def __init__(self) -> None:
+        self._partial: dict[Request, list[TokenLogprob | None]] = {}
+        self.ready: dict[Request, list[TokenLogprob | None]] = {}  # complete, not handed out yet
+
+    def absorb(self, scores: tuple) -> None:
+        """One step's scores (SampleResult.prompt): spans of (sequence, first target position, count,
+        completes the prompt) over rows of target logprobs and top-k ids / logprobs."""
+        spans, chosen, top_ids, top_lp = scores
+        row = 0
+        for seq, first, count, completes in spans:
+            request, start = seq.request, row
+            row += count
+            if request.aborted:
+                continue  # aborted or failed while the step ran: nobody will take them
+            ids, k = request.prompt_ids, request.params.prompt_logprobs
+            entries = self._partial.setdefault(request, [None] * request.num_prompt)
+            for i in range(start, row):
+                pos = first + i - start
+                entries[pos] = TokenLogprob(ids[pos], chosen[i], list(zip(top_ids[i][:k], top_lp[i][:k])))
+            if completes:
+                self.ready[request] = self._partial.pop(request)
+
+    def drop(self, request: Request) -> None:
+        """Forget a request that ended (its complete list, if any, went out with its outputs)."""
+        self._partial.pop(request, None)
+        self.ready.pop(request, None)

@@ -46,3 +46,7 @@ class RequestOutput:
     completion_tokens: int  # over all samples, so far
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: RequestMetrics | None = None  # the request's live timestamps (updated by the engine thread)
+    # with SamplingParams.prompt_logprobs, on the request's first output that carries them (None on
+    # every other): one entry per prompt token, entry 0 None (nothing predicts the first token), entry
+    # i TokenLogprob(prompt_ids[i], logprob given prompt_ids[:i], top k at position i)
+    prompt_logprobs: list[TokenLogprob | None] | None = None

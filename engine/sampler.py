@@ -7,11 +7,15 @@ noise is a function of (key, counter) only, where the key names the sequence's s
 request's seed and sample index, or from the engine's base key and the sequence id when unseeded) and
 the counter is the position of the token being drawn. So a seeded sample does not depend on its batch
 neighbours, and a sequence recomputed after preemption draws the same tokens again.
-Logits processors (structured output, budget forcing on the device) plug in before `_filter`.
+Logits processors (logit_bias, penalties; structured output, budget forcing on the device) plug in
+before `_filter`; only the rows that ask pay for them.
+Prompt logprobs (`score_prompt`) are log_softmax over the logits of every position of a prompt chunk,
+computed only for the chunks of requests that ask (engine/step_inputs.prompt_logprob_rows).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +46,19 @@ class SamplingRow:
 class SampleResult:
     token_ids: list[int]
     logprobs: list[tuple[float, list[tuple[int, float]]] | None]  # per row: (chosen lp, top-k) or None
+    # prompt scores of the step (see PromptScores), on the host: (spans, chosen, top ids, top lps)
+    prompt: tuple[list[tuple], list[float], list[list[int]], list[list[float]]] | None = None
+
+
+@dataclass
+class PromptScores:
+    """Prompt-token logprobs of one step, still on the device: for each row of a PromptLogprobRows
+    (engine/step_inputs.py), the target token's logprob and the top k (ids and logprobs, best first)."""
+
+    spans: list[tuple]
+    chosen: torch.Tensor
+    top_lp: torch.Tensor
+    top_ids: torch.Tensor
 
 
 class PendingSample:
@@ -49,10 +66,18 @@ class PendingSample:
     logprobs, only when a row asked), so the device can go on with a step launched after it; the engine
     does other host work meanwhile, and `resolve()` waits for that copy alone: the step's one sync."""
 
-    def __init__(self, sampled: torch.Tensor, raw_logprobs: torch.Tensor | None, rows: list[SamplingRow]):
+    def __init__(
+        self,
+        sampled: torch.Tensor,
+        raw_logprobs: torch.Tensor | None,
+        rows: list[SamplingRow],
+        prompt: PromptScores | None = None,
+    ):
         self.sampled = sampled  # stays on the device: a step scheduled ahead feeds it back as input
         self.rows = rows
-        tensors = [sampled]
+        self.prompt_spans = None if prompt is None else prompt.spans
+        tensors = [] if prompt is None else [prompt.chosen, prompt.top_ids, prompt.top_lp]
+        tensors.append(sampled)
         if raw_logprobs is not None:
             k = max(max(r.params.logprobs or 0 for r in rows), 1)
             chosen = raw_logprobs.gather(1, sampled[:, None])[:, 0]
@@ -69,17 +94,21 @@ class PendingSample:
         if self._event is not None:
             self._event.synchronize()
         rows, host = self.rows, [t.tolist() for t in self._host]
+        prompt = None
+        if self.prompt_spans is not None:
+            prompt, host = (self.prompt_spans, *host[:3]), host[3:]
         if len(host) == 1:
-            return SampleResult(host[0], [None] * len(rows))
+            return SampleResult(host[0], [None] * len(rows), prompt)
         ids, chosen, top_lp, top_ids = host
         logprobs = []
         for i, r in enumerate(rows):
             n = r.params.logprobs
             logprobs.append(None if n is None else (chosen[i], list(zip(top_ids[i][:n], top_lp[i][:n]))))
-        return SampleResult(ids, logprobs)
+        return SampleResult(ids, logprobs, prompt)
 
 
 _M64 = (1 << 64) - 1
+SCORE_ROWS = 256  # prompt positions scored per slice (a 128k vocabulary: 128 MiB of float32 logprobs)
 
 
 def stream_key(a: int, b: int) -> int:
@@ -100,16 +129,20 @@ class Sampler:
     def _t(self, slot: str, values, dtype=torch.float32) -> torch.Tensor:
         return self.upload.values(slot, values, dtype)  # one pinned buffer per named slot
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> PendingSample:
+    def __call__(
+        self, logits: torch.Tensor, rows: list[SamplingRow], prompt: PromptScores | None = None
+    ) -> PendingSample:
         wants_logprobs = _wants_logprobs(rows)
-        if not wants_logprobs and all(r.params.greedy and _no_penalty(r.params) for r in rows):
+        if not wants_logprobs and all(r.params.greedy and _no_processor(r.params) for r in rows):
             # The common benchmark case: one argmax, on the model's dtype (widening is exact: same ids).
-            return PendingSample(ops.argmax(logits), None, rows)
+            return PendingSample(ops.argmax(logits), None, rows, prompt)
+        # reported logprobs are the model's own distribution, before logit_bias and penalties (vLLM's
+        # raw logprobs)
         raw_logprobs = torch.log_softmax(logits.float(), dim=-1) if wants_logprobs else None
-        if not all(_no_penalty(r.params) for r in rows):
-            logits = self._apply_penalties(logits.float(), rows)
+        if not all(_no_processor(r.params) for r in rows):
+            logits = self._apply_processors(logits.float(), rows)
         if all(r.params.greedy for r in rows):
-            return PendingSample(ops.argmax(logits), raw_logprobs, rows)
+            return PendingSample(ops.argmax(logits), raw_logprobs, rows, prompt)
         temperature = [r.params.temperature for r in rows]  # 0 for greedy rows: the plain argmax
         if any(_filters(r.params) for r in rows):
             t = self._t("temperature", [x or 1.0 for x in temperature])
@@ -118,9 +151,53 @@ class Sampler:
         keys_counters = [r.key for r in rows] + [r.counter for r in rows]  # one upload for both
         keys, counters = self._t("streams", keys_counters, torch.long).view(2, len(rows))
         sampled = ops.sample(logits, self._t("draw_temperature", temperature), keys, counters)
-        return PendingSample(sampled, raw_logprobs, rows)
+        return PendingSample(sampled, raw_logprobs, rows, prompt)
+
+    def score_prompt(
+        self, compute_logits: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, plan
+    ) -> PromptScores:
+        """Prompt logprobs at the rows of `plan` (a PromptLogprobRows): log_softmax over the vocabulary
+        in float32, the target token's logprob and the top plan.k. Slices of SCORE_ROWS rows bound the
+        [rows, vocab] temporaries of a long prompt chunk."""
+        if not plan.rows:  # e.g. a one-token prompt: nothing to score, but its span completes it
+            empty = torch.empty(0, plan.k, device=self.device)
+            return PromptScores(plan.spans, empty.sum(dim=1), empty, empty.long())
+        rows = self._t("score_rows", plan.rows, torch.long)
+        targets = self._t("score_targets", plan.targets, torch.long)
+        chosen, top_lp, top_ids = [], [], []
+        for i in range(0, len(plan.rows), SCORE_ROWS):
+            logits = compute_logits(hidden.index_select(0, rows[i : i + SCORE_ROWS]))
+            lp = torch.log_softmax(logits.float(), dim=-1)
+            chosen.append(lp.gather(1, targets[i : i + SCORE_ROWS, None])[:, 0])
+            values, ids = lp.topk(plan.k, dim=-1)
+            top_lp.append(values)
+            top_ids.append(ids)
+        return PromptScores(plan.spans, torch.cat(chosen), torch.cat(top_lp), torch.cat(top_ids))
 
     # ------------------------------------------------------------------ logits processors
+    def _apply_processors(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """logit_bias on the raw logits first, then penalties (each only when some row has it)."""
+        if any(r.params.logit_bias is not None for r in rows):
+            logits = self._apply_bias(logits, rows)
+        if not all(_no_penalty(r.params) for r in rows):
+            logits = self._apply_penalties(logits, rows)
+        return logits
+
+    def _apply_bias(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Add each biased row's logit_bias: one index_add over the flattened logits of the step."""
+        n, v = logits.shape
+        index: list[int] = []
+        values: list[float] = []
+        for i, r in enumerate(rows):
+            bias = r.params.logit_bias
+            if bias is not None:
+                index += [i * v + t for t in bias]
+                values += bias.values()
+        flat = logits.reshape(-1).index_add(
+            0, self._t("bias_index", index, torch.long), self._t("bias_values", values)
+        )
+        return flat.view(n, v)
+
     def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Repetition (prompt + output), presence and frequency (output only) penalties, as in vLLM."""
         n, v = logits.shape
@@ -170,6 +247,16 @@ def _wants_logprobs(rows: list[SamplingRow]) -> bool:
 
 def _filters(p: SamplingParams) -> bool:
     return not p.greedy and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0)
+
+
+def _no_processor(p: SamplingParams) -> bool:
+    """No logit_bias and no penalties (inlined, not via _no_penalty: it runs for every row every step)."""
+    return (
+        p.logit_bias is None
+        and p.repetition_penalty == 1.0
+        and p.presence_penalty == 0.0
+        and p.frequency_penalty == 0.0
+    )
 
 
 def _no_penalty(p: SamplingParams) -> bool:

@@ -11,6 +11,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
 MAX_TOP_LOGPROBS = 20
 MAX_N = 16
+MAX_LOGIT_BIAS = 100.0
 
 
 def _check(ok: bool, name: str, message: str) -> None:
@@ -56,6 +57,10 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     seed: int | None = None
     logprobs: int | None = None  # None: no logprobs; k >= 0: chosen token plus top k
+    # None: none; k >= 0: each prompt token's logprob given the tokens before it, plus the top k there
+    prompt_logprobs: int | None = None
+    # token id -> added to the raw logits before any other processing (OpenAI's logit_bias)
+    logit_bias: dict[int, float] | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
@@ -69,7 +74,8 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         _check(isinstance(self.n, int) and 1 <= self.n <= MAX_N, "n", f"must be an integer in [1, {MAX_N}]")
-        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "must be >= 1")
+        # 0: score the prompt only (prefill, then finish by length with no completion tokens)
+        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 0, "max_tokens", "must be >= 0")
         for name in (
             "temperature",
             "top_p",
@@ -91,6 +97,13 @@ class SamplingParams:
             "logprobs",
             f"must be in [0, {MAX_TOP_LOGPROBS}]",
         )
+        _check(
+            self.prompt_logprobs is None
+            or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS),
+            "prompt_logprobs",
+            f"must be in [0, {MAX_TOP_LOGPROBS}]",
+        )
+        self.logit_bias = _logit_bias(self.logit_bias)
         _check(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} stop strings")
         for s in self.stop:
             _check(
@@ -120,3 +133,27 @@ class SamplingParams:
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
         )
+
+
+def _logit_bias(bias: dict | None) -> dict[int, float] | None:
+    """Validated {token id: bias}; JSON's string keys ("50256") become ints. Empty means none, so a
+    request that sends {} pays nothing in the sampler."""
+    if bias is None:
+        return None
+    _check(isinstance(bias, dict), "logit_bias", "must map token ids to numbers")
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        ok_key = _is_int(key) or (isinstance(key, str) and key.isdigit())
+        _check(ok_key and int(key) >= 0, "logit_bias", f"token id {key!r} must be an integer >= 0")
+        ok_value = (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+        _check(
+            ok_value and -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS,
+            "logit_bias",
+            f"bias {value!r} of token {key} must be in [{-MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
+        )
+        out[int(key)] = float(value)
+    return out or None
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)

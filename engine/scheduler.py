@@ -40,6 +40,9 @@ class SchedulerOutput:
     # a step scheduled ahead: row i's input token is the one sampled by row prev_rows[i] of the step
     # before, which the host has not seen yet (see schedule_ahead)
     prev_rows: list[int] | None = None
+    # indexes into `chunks` of prompt chunks whose logits at every position are wanted (a request with
+    # SamplingParams.prompt_logprobs whose prompt has not been scored yet); empty in almost every step
+    prompt_logprob_chunks: list[int] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -81,6 +84,8 @@ class Scheduler:
                     break
                 if seq.status is SeqStatus.RUNNING and seq.prompt_done != prefill_pass:
                     budget -= self._schedule_running(seq, budget, scheduled, out)
+                    if prefill_pass and seq.request.params.prompt_logprobs is not None:
+                        self._mark_prompt_logprobs(seq, out)
         if out.num_preempted == 0:
             self._admit_waiting(budget, out)
         return out
@@ -103,7 +108,9 @@ class Scheduler:
             slots = 1 if seq.request.forked else seq.request.params.n
             if len(self.running) + self._reserved_slots() + slots > self.config.max_num_seqs:
                 return
-            if not seq.table.blocks:
+            # a request that wants its prompt's logprobs computes every position: it takes no cached
+            # blocks (its own full blocks are still published for others)
+            if not seq.table.blocks and seq.request.params.prompt_logprobs is None:
                 seq.num_computed = self.bm.match_prefix(seq.table, seq.token_ids)
                 if seq.request.metrics.first_scheduled_time is None:
                     seq.request.cached_tokens = seq.num_computed
@@ -116,6 +123,8 @@ class Scheduler:
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             self._add_chunk(seq, n, out)
+            if seq.request.params.prompt_logprobs is not None:
+                self._mark_prompt_logprobs(seq, out)
             budget -= n
 
     def _add_chunk(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
@@ -124,6 +133,14 @@ class Scheduler:
         if seq.num_computed + n == seq.num_tokens:
             chunk.samples = [seq] if seq.request.forked else [seq] + self._fork(seq)
         out.chunks.append(chunk)
+
+    @staticmethod
+    def _mark_prompt_logprobs(seq: Sequence, out: SchedulerOutput) -> None:
+        """Ask for the logits of every position of the chunk just added for `seq`, unless the prompt
+        was scored already: sample 0 computes the prompt, and once it has an output token its prompt
+        logprobs are out, so a recompute after preemption does not produce them again."""
+        if out.chunks and out.chunks[-1].seq is seq and seq.index == 0 and seq.num_output == 0:
+            out.prompt_logprob_chunks.append(len(out.chunks) - 1)
 
     def _fork(self, seq: Sequence) -> list[Sequence]:
         """On the chunk that completes the prompt of an n > 1 request, create samples 1..n-1.

@@ -18,6 +18,7 @@ a second in the middle of serving (and a first-run penalty in benchmarks).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -75,6 +76,35 @@ def build_batch(out: SchedulerOutput, block_size: int) -> StepBatch:
                 b.samplers.append(s)
                 b.draw_positions.append(end)
     return b
+
+
+@dataclass
+class PromptLogprobRows:
+    """The packed rows whose logits score prompt tokens (SamplingParams.prompt_logprobs): the logits of
+    rows[i] predict token targets[i]. Per marked chunk, one span (sequence, prompt position of its first
+    target, number of targets, whether the chunk completes the prompt): a chunk over positions
+    [start, end) scores the tokens at start + 1 .. min(end, num_prompt - 1); the prompt's last position
+    predicts the first output token, the sampler's job."""
+
+    rows: list[int] = field(default_factory=list)
+    targets: list[int] = field(default_factory=list)
+    spans: list[tuple] = field(default_factory=list)
+    k: int = 0  # the widest top-k any span asks for
+
+
+def prompt_logprob_rows(out: SchedulerOutput, b: StepBatch) -> PromptLogprobRows:
+    """The rows of `out.prompt_logprob_chunks` (only built for steps that have some)."""
+    offsets = [0, *itertools.accumulate(b.query_lens)]
+    plan = PromptLogprobRows()
+    for i in out.prompt_logprob_chunks:
+        chunk = out.chunks[i]
+        seq, start, end = chunk.seq, chunk.start, chunk.start + chunk.num_tokens
+        count = max(0, min(end, seq.num_prompt - 1) - start)
+        plan.rows += range(offsets[i], offsets[i] + count)
+        plan.targets += seq.token_ids[start + 1 : start + 1 + count]
+        plan.spans.append((seq, start + 1, count, end >= seq.num_prompt))
+        plan.k = max(plan.k, seq.request.params.prompt_logprobs)
+    return plan
 
 
 def _up(n: int, k: int) -> int:

@@ -8,7 +8,9 @@ Besides the HTTP row (time to response headers), every request records custom Lo
   TTFT  request sent -> first streamed token (ms)
   ITL   gap between consecutive streamed chunks that carry text (ms), one event per gap
   E2E   request sent -> final [DONE] (ms); response_length = completion tokens
-They appear in the web UI, in the --csv files (Type column) and in the headless summary. With the
+They appear in the web UI, in the --csv files (Type column) and in the headless summary, each in its
+own row, but not in the "Aggregated" row: that counts HTTP requests only (`TimingStats`), so its
+request count and req/s are the real ones, not inflated by one ITL event per token. With the
 server's stream_interval_ms > 0 a chunk may hold several tokens: ITL is then per chunk.
 
 Options (flag or environment variable):
@@ -33,6 +35,37 @@ import time
 import requests
 from _workloads import SHAPES, WORDS, PromptMaker, Request, parse_mix, sample
 from locust import HttpUser, constant, events, task
+from locust.stats import RequestStats
+
+TIMING_TYPES = frozenset({"TTFT", "ITL", "E2E"})  # custom request types: timings, not requests
+
+
+class TimingStats(RequestStats):
+    """Locust's statistics, except that the custom timing types stay out of the "Aggregated" row.
+
+    Locust adds every `events.request.fire` to its total; these timing events are several per HTTP
+    request (one ITL per token), so the total's count and req/s would be timings, not requests. Their
+    own rows (entries) and errors are kept as Locust keeps them. In a distributed run each worker
+    sends its total and entries, so the master's total excludes them too."""
+
+    def log_request(self, method: str, name: str, response_time: int, content_length: int) -> None:
+        if method in TIMING_TYPES:
+            self.entries[(name, method)].log(response_time, content_length)
+        else:
+            super().log_request(method, name, response_time, content_length)
+
+    def log_error(self, method: str, name: str, error) -> None:
+        if method in TIMING_TYPES:
+            self.entries[(name, method)].log_error(error)
+        else:
+            super().log_error(method, name, error)
+
+
+@events.init.add_listener
+def _separate_timings(environment, **_kwargs) -> None:
+    """The runner logs into the environment's RequestStats object, created before this event: its
+    class is swapped, so every reference to it (runner, web UI, CSV writer) sees the same object."""
+    environment.stats.__class__ = TimingStats
 
 
 @events.init_command_line_parser.add_listener

@@ -132,3 +132,30 @@ def test_broken_template_names_its_origin(tmp_path):
     (tmp_path / "chat_template.jinja").write_text("{% for %}")
     with pytest.raises(ChatTemplateError, match="chat_template.jinja"):
         ChatTemplate.from_dir(tmp_path)
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+@pytest.mark.parametrize("final", [" The Shinano", "Partial answer  ", "<think>still"])
+def test_continue_final_message_matches_transformers(dirs, name, final):
+    """The prompt ends inside the last assistant message, cut as transformers cuts it."""
+    tok = Tokenizer.from_dir(dirs[name])
+    messages = [*CONVERSATION[:2], {"role": "assistant", "content": final}]
+    ours = tok.render_chat(messages, add_generation_prompt=False, continue_final_message=True)
+    theirs = _hf(dirs[name]).apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=False, continue_final_message=True
+    )
+    assert ours == theirs and ours.rstrip().endswith(final.strip())
+    with pytest.raises(InvalidRequestError) as info:
+        tok.render_chat(messages, add_generation_prompt=True, continue_final_message=True)
+    assert info.value.field == "continue_final_message"
+
+
+def test_template_kwargs_reach_the_template(dirs):
+    """chat_template_kwargs (e.g. Qwen 3's enable_thinking) are template variables, as in transformers."""
+    source = "{{ 'think' if enable_thinking is not defined or enable_thinking else 'plain' }}|{{ extra }}"
+    hf = _hf(dirs["tiny"])
+    for kwargs in [{}, {"enable_thinking": False, "extra": 3}, {"enable_thinking": True, "extra": "x"}]:
+        ours = ChatTemplate(source, hf.special_tokens_map).render(CONVERSATION, **kwargs)
+        theirs = hf.apply_chat_template(CONVERSATION, chat_template=source, tokenize=False, **kwargs)
+        assert ours == theirs
+    assert ChatTemplate(source).render(CONVERSATION, enable_thinking=False, extra=1) == "plain|1"

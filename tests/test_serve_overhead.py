@@ -16,7 +16,7 @@ from benchmarks.serve_stack import engine_options, serve_config
 from benchmarks.serve_summary import overhead_acceptance, overhead_markdown
 
 CMDLINES = {
-    "/work/main/.venv/bin/python -m engine.core 13 7374": "engine core",
+    "/opt/app/.venv/bin/python -m engine.core 13 7374": "engine core",
     "ray::ServeReplica:minserve:EngineDeployment ray::ServeRepli": "replica",
     "ray::ServeReplica:minserve:EngineDeployment.generate": "replica",
     "ray::ServeReplica:minserve:Ingress": "ingress",

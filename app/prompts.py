@@ -1,0 +1,96 @@
+"""Prompt work done in the engine replica, which holds the tokenizer: chat rendering, echo, /tokenize.
+
+`prepare` turns what the ingress sent into what the engine takes, and says what the ingress needs to
+know about the prompt (in the "accepted" stream item): chat prompts are rendered here with their
+template options and sent to the engine as token ids; echo needs the prompt's token ids and the text of
+each token. Plain requests pass through untouched, so they pay for nothing of this.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from app.chat import ChatPrompt
+from engine.errors import InvalidRequestError, PromptTooLongError
+from engine.sampling_params import SamplingParams
+
+
+def token_texts(decode: Callable[[list[int]], str], ids: list[int]) -> list[str]:
+    """The text each token adds, so that the pieces concatenate to decode(ids) exactly.
+
+    A token that ends inside a multi-byte character adds "" and the token that completes it adds the
+    character. Each piece is decoded with the token before it as context (the difference of two short
+    decodes), as incremental detokenizers do, so a tokenizer that drops a leading space of the first
+    token in a decode still gives every later token its space. Two short decodes per token."""
+    texts: list[str] = []
+    prefix = read = 0  # ids[prefix:read]: context already emitted; ids[read:] not yet emitted
+    for i in range(len(ids)):
+        before = decode(ids[prefix:read])
+        now = decode(ids[prefix : i + 1])
+        if now.endswith("\ufffd") and i + 1 < len(ids):  # an incomplete character: wait for more bytes
+            texts.append("")
+            continue
+        texts.append(now[len(before) :])
+        prefix, read = read, i + 1
+    return texts
+
+
+def _check_ids(ids: list[int], vocab_size: int, field: str) -> None:
+    bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
+    if bad:
+        raise InvalidRequestError(
+            f"{field}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})", field
+        )
+
+
+def prepare(tokenizer, prompt, echo: bool) -> tuple[object, dict]:
+    """(prompt for CoreClient.submit, facts for the ingress). Raises InvalidRequestError."""
+    facts: dict = {}
+    if isinstance(prompt, ChatPrompt):
+        ids, facts["starts_in_think"] = prompt.encode(tokenizer)
+        facts["prompt_tokens"] = len(ids)
+        prompt = ids
+    if echo:
+        ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        _check_ids(ids, tokenizer.vocab_size, "prompt")  # before decoding them
+        facts["prompt_token_texts"] = token_texts(tokenizer.decode, ids)
+        facts["prompt_tokens"] = len(ids)
+        prompt = ids
+    return prompt, facts
+
+
+def prompt_too_long(
+    exc: PromptTooLongError, tokenizer, prompt, params: SamplingParams, limits, chat: bool
+) -> PromptTooLongError:
+    """The engine's error, or, when the prompt alone leaves no room for one token, an error against the
+    prompt (`messages` for chat): lowering max_tokens cannot help then. Only runs on the error path."""
+    n = len(tokenizer.encode(prompt)) if isinstance(prompt, str) else len(prompt)
+    need = n + min(1, params.max_tokens)
+    blocks = -(-need // limits.block_size)
+    if need <= limits.max_model_len and blocks <= limits.num_blocks:
+        return exc
+    field = "messages" if chat else "prompt"
+    room = min(limits.max_model_len, limits.num_blocks * limits.block_size)
+    return PromptTooLongError(
+        f"{field}: the prompt is {n} tokens and the context holds {room} (prompt plus completion): "
+        "shorten the prompt",
+        field,
+    )
+
+
+def tokenize(
+    tokenizer, source: str | ChatPrompt, add_special_tokens: bool | None, max_model_len: int
+) -> dict:
+    """vLLM's /tokenize answer. A text prompt gets the tokenizer's special tokens (BOS) unless
+    add_special_tokens is false; chat messages are rendered, and the template writes its own."""
+    if isinstance(source, ChatPrompt):
+        text = source.render(tokenizer)
+        ids = tokenizer.encode(text, add_special_tokens=bool(add_special_tokens))
+    else:
+        ids = tokenizer.encode(source, add_special_tokens=add_special_tokens is not False)
+    return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids}
+
+
+def detokenize(tokenizer, tokens: list[int]) -> dict:
+    _check_ids(tokens, tokenizer.vocab_size, "tokens")
+    return {"prompt": tokenizer.decode(tokens)}
