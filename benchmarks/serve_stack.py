@@ -164,19 +164,18 @@ _LATENCY = re.compile(r"queue (\S+) ms, engine ttft (\S+) ms, ttft (\S+) ms, e2e
 LATENCY_KEYS = ("queue_ms", "engine_ttft_ms", "replica_ttft_ms", "replica_e2e_ms")
 
 
-def replica_log_marks() -> dict[Path, int]:
+def replica_log_marks(logs: Path = SERVE_LOGS) -> dict[Path, int]:
     """The size of every engine replica log now: a measured window's lines are the ones after it."""
-    return {p: p.stat().st_size for p in SERVE_LOGS.glob("replica_*EngineDeployment*.log")}
+    return {p: p.stat().st_size for p in logs.glob("replica_*EngineDeployment*.log")}
 
 
-def replica_latencies(marks: dict[Path, int]) -> dict:
-    """Percentiles of the replica's per-request lines written since `marks`: where a request's time to
-    first token goes, from its arrival at the ingress (queue: until the core first scheduled it; engine
-    ttft: until the core sampled its first token; replica ttft: until the replica had it)."""
-    from benchmarks.serve_summary import percentiles
-
+def replica_log_values(marks: dict[Path, int], logs: Path = SERVE_LOGS) -> dict[str, list[float]]:
+    """LATENCY_KEYS -> the values of the replica's per-request lines written since `marks`: where a
+    request's time to first token goes, from its arrival at the ingress (queue: until the core first
+    scheduled it; engine ttft: until the core sampled its first token; replica ttft: until the replica
+    had it)."""
     values: dict[str, list[float]] = {k: [] for k in LATENCY_KEYS}
-    for path in replica_log_marks():
+    for path in replica_log_marks(logs):
         with open(path, "rb") as f:
             f.seek(marks.get(path, 0))
             text = f.read().decode(errors="replace")
@@ -184,7 +183,14 @@ def replica_latencies(marks: dict[Path, int]) -> dict:
             for key, cell in zip(LATENCY_KEYS, match.groups(), strict=True):
                 if cell != "-":
                     values[key].append(float(cell))
-    return {k: percentiles(v) for k, v in values.items()}
+    return values
+
+
+def replica_latencies(marks: dict[Path, int]) -> dict:
+    """Percentiles of `replica_log_values`."""
+    from benchmarks.serve_summary import percentiles
+
+    return {k: percentiles(v) for k, v in replica_log_values(marks).items()}
 
 
 def profile_server(server: Server, name: str, delay: float, seconds: float) -> None:

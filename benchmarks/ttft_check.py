@@ -32,13 +32,12 @@ from pathlib import Path
 
 from benchmarks.common import git_commit
 from benchmarks.proc_cpu import session_pids
-from benchmarks.serve_stack import ROOT, Server, child_env, log
+from benchmarks.serve_stack import ROOT, Server, child_env, log, replica_log_marks, replica_log_values
 
 TTFT = "minserve_time_to_first_token_seconds"
 TARGET = 0.10
 _BUCKET = re.compile(r"^ray_(minserve_\w+)_bucket\{([^}]*)\} (\S+)$", re.M)
 _SUM_COUNT = re.compile(r"^ray_(minserve_\w+_seconds)_(sum|count)\{([^}]*)\} (\S+)$", re.M)
-_LOG_LINE = re.compile(r"queue (\S+) ms, engine ttft (\S+) ms, ttft (\S+) ms, e2e (\S+) ms")
 
 
 def session_dir(server: Server) -> Path:
@@ -126,25 +125,6 @@ def wait_settled(url: str, name: str, timeout_s: float = 90.0, every_s: float = 
         last = count
 
 
-def log_marks(session: Path) -> dict[Path, int]:
-    return {p: p.stat().st_size for p in (session / "logs" / "serve").glob("replica_*EngineDeployment*.log")}
-
-
-def replica_ttfts(session: Path, marks: dict[Path, int]) -> dict[str, list[float]]:
-    """The engine replica's per-request line (app/engine_deployment._log_finished) since `marks`."""
-    keys = ("queue_ms", "engine_ttft_ms", "ttft_ms", "e2e_ms")
-    values: dict[str, list[float]] = {k: [] for k in keys}
-    for path in log_marks(session):
-        with open(path, "rb") as f:
-            f.seek(marks.get(path, 0))
-            text = f.read().decode(errors="replace")
-        for match in _LOG_LINE.finditer(text):
-            for key, cell in zip(keys, match.groups(), strict=True):
-                if cell != "-":
-                    values[key].append(float(cell))
-    return values
-
-
 def median(xs: list[float]) -> float | None:
     xs = sorted(xs)
     if not xs:
@@ -216,8 +196,8 @@ def run_summary(run: dict, prefix: Path, lines: dict, users: int) -> dict:
             for name, h in run.items()
             if "first_token" in name and name != TTFT and h["count"] > 0
         },
-        "log_count": len(lines["ttft_ms"]),
-        "log_ttft_p50_ms": median(lines["ttft_ms"]),
+        "log_count": len(lines["replica_ttft_ms"]),
+        "log_ttft_p50_ms": median(lines["replica_ttft_ms"]),
         "log_engine_ttft_p50_ms": median(lines["engine_ttft_ms"]),
         "log_queue_p50_ms": median(lines["queue_ms"]),
     }
@@ -328,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"OUT={prefix.relative_to(ROOT)} MINSERVE_GEN_SCALE={args.gen_scale} scripts/run_locust.sh"
             )
             before = wait_settled(url, TTFT)
-            marks = log_marks(session)
+            marks = replica_log_marks(session / "logs" / "serve")
             log(f"locust: {locust_cmd}")
             proc = subprocess.run(["bash", "scripts/run_locust.sh"], cwd=ROOT, env=env, text=True)
             if proc.returncode:
@@ -336,7 +316,8 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
             after = wait_settled(url, TTFT)
             time.sleep(2)  # the replica flushes its buffered log lines about once a second
-            summary = run_summary(delta(after, before), prefix, replica_ttfts(session, marks), users)
+            lines = replica_log_values(marks, session / "logs" / "serve")
+            summary = run_summary(delta(after, before), prefix, lines, users)
             runs.append({**summary, "locust_command": locust_cmd})
     finally:
         server.stop()
