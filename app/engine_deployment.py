@@ -279,6 +279,9 @@ class EngineDeployment:
         except EngineError as exc:
             return from_engine_error(exc, self._retry_after)
 
+    def tokenizer_info(self) -> dict:
+        return prompts.tokenizer_info(self.engine.tokenizer, self.engine.max_model_len)
+
     def detokenize(self, tokens: list[int]) -> dict | ApiError:
         try:
             return prompts.detokenize(self.engine.tokenizer, tokens)

@@ -27,6 +27,7 @@ from app import security
 from app.engine_client import EngineClient, EngineStream, call_failure, cancel_all, merge
 from app.errors import ApiError, from_engine_error, internal
 from app.http_errors import install_error_handlers, reject
+from app.metrics import IngressMetrics
 from app.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from app.responses import ModelCard, ModelList
 from app.sse import DONE, ResponseAssembler, item_error, sse_error
@@ -52,6 +53,19 @@ install_error_handlers(api)
 
 
 # Defined before the deployment class: Serve pickles the class with the module globals it sees then.
+class FirstText:
+    """Observes a response's TTFT once, at the first engine item that carries generated text: where a
+    client's TTFT ends. Streaming, right after the HTTP server took the chunk that carries it."""
+
+    def __init__(self, metrics: IngressMetrics, arrival: float):
+        self._metrics, self._arrival, self._done = metrics, arrival, False
+
+    def seen(self, item: dict) -> None:
+        if not self._done and any(s["text"] for s in item["outputs"]):
+            self._done = True
+            self._metrics.first_text(self._arrival)
+
+
 def arrival_time(request: Request) -> float:
     """When the ingress received the request: the security middleware stamps it before reading the
     body; time.time(), because the engine replica and core compare it with their own time.time()."""
@@ -81,6 +95,7 @@ class Ingress:
         self._default_max_tokens = default_max_tokens
         self._retry_after = retry_after_s
         self._info: dict | None = None  # model facts from the engine, fetched once
+        self._metrics = IngressMetrics(model_name)
 
     # ------------------------------------------------------------ info routes
 
@@ -175,6 +190,10 @@ class Ingress:
             return reject(request, from_engine_error(exc, self._retry_after))
         return await self._tokenizer_call(request, self._engine.tokenize, source, body.add_special_tokens)
 
+    @api.get("/tokenizer_info")
+    async def tokenizer_info(self, request: Request) -> Response:
+        return await self._tokenizer_call(request, self._engine.tokenizer_info)
+
     @api.post("/detokenize")
     async def detokenize(self, body: DetokenizeRequest, request: Request) -> Response:
         if body.model is not None and body.model != self._model:
@@ -212,9 +231,10 @@ class Ingress:
             return reject(request, streams)
         for s in streams:
             out.set_prompt(s.index, s.accepted)
+        ttft = FirstText(self._metrics, arrival)
         if body.stream:
             return StreamingResponse(
-                self._sse(streams, out, body.include_usage),
+                self._sse(streams, out, body.include_usage, ttft),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
@@ -223,13 +243,14 @@ class Ingress:
                 err = item if isinstance(item, ApiError) else item_error(item)
                 if err is not None:
                     return reject(request, err)
+                ttft.seen(item)
                 out.add(index, item)
             return JSONResponse(out.final())
         finally:
             cancel_all(streams)
 
     async def _sse(
-        self, streams: list[EngineStream], out: ResponseAssembler, include_usage: bool
+        self, streams: list[EngineStream], out: ResponseAssembler, include_usage: bool, ttft: FirstText
     ) -> AsyncIterator[str]:
         try:
             if out.chat:
@@ -242,6 +263,7 @@ class Ingress:
                 chunk = out.chunk(index, item)
                 if chunk is not None:
                     yield chunk
+                    ttft.seen(item)  # resumed once the server took the chunk: as late as we can see
             if include_usage:
                 yield out.usage_chunk()
             yield DONE

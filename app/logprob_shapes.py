@@ -3,7 +3,8 @@
 * Completions (OpenAI's legacy shape): parallel lists `tokens`, `token_logprobs`, `top_logprobs`,
   `text_offset`. With echo the prompt's tokens come first; its first token has nothing before it to
   score it, so its logprob and its top_logprobs are null. `text_offset` is each token's character
-  offset in the returned text (prompt included with echo). `top_logprobs` holds the top k and, as
+  offset in the returned text (the prompt as sent, then the completion); a BOS the tokenizer added
+  appears in `tokens` at offset 0 with no width in the text. `top_logprobs` holds the top k and, as
   OpenAI's reference says, the chosen token too.
 * Chat: `content` entries {token, logprob, bytes, top_logprobs}.
 * vLLM's `prompt_logprobs`: a list with null first, then per prompt position a dict
@@ -48,12 +49,15 @@ def completion_logprobs(entries: list[dict], offset: int) -> tuple[CompletionLog
     return lp, offset
 
 
-def echo_logprobs(texts: list[str], prompt_lp: list[dict | None] | None) -> CompletionLogprobs:
-    """The prompt's part of the legacy shape: `texts` are the prompt tokens' texts (they concatenate to
-    the echoed prompt, app/prompts.token_texts); `prompt_lp` the item's prompt logprobs (app/streaming)."""
-    lp = CompletionLogprobs(tokens=list(texts))
-    offset = 0
-    for i, text in enumerate(texts):
+def echo_logprobs(
+    texts: list[str], offsets: list[int], prompt_lp: list[dict | None] | None
+) -> CompletionLogprobs:
+    """The prompt's part of the legacy shape: `texts` are the prompt tokens' texts, every prompt token
+    (a BOS the tokenizer added included, so that there is one entry per prompt token, as lm-eval counts
+    them); `offsets` their places in the echoed prompt (app/prompts.token_offsets); `prompt_lp` the
+    item's prompt logprobs (app/streaming)."""
+    lp = CompletionLogprobs(tokens=list(texts), text_offset=list(offsets))
+    for i in range(len(texts)):
         e = prompt_lp[i] if prompt_lp is not None and i < len(prompt_lp) else None
         if e is None:
             lp.token_logprobs.append(None)
@@ -63,8 +67,6 @@ def echo_logprobs(texts: list[str], prompt_lp: list[dict | None] | None) -> Comp
             top.setdefault(e["token"], e["logprob"])
             lp.token_logprobs.append(e["logprob"])
             lp.top_logprobs.append(top)
-        lp.text_offset.append(offset)
-        offset += len(text)
     return lp
 
 

@@ -3,8 +3,11 @@
 Histograms are observed per request (TTFT, queue time, end-to-end), measured from the moment the ingress
 received the request (its time.time(), passed to the engine replica as `arrival_time` and kept by the
 engine as RequestMetrics.arrival_time), so they include the HTTP front and the hop to the replica, as a
-client sees them. The engine's own TTFT, from the request's arrival in the replica to the core sampling
-its first token (RequestMetrics.engine_token_time), is a histogram of its own. Inter-token latency is
+client sees them. TTFT ends where a client's does: when the ingress hands the response its first
+generated text (streaming: the first SSE chunk that carries completion text), so it is observed in the
+ingress (`IngressMetrics`), once per request. The engine's own TTFT, from the request's arrival in the
+replica to the core sampling its first token (RequestMetrics.engine_token_time), is a histogram of the
+engine replica. Inter-token latency is
 aggregated per streamed item (chunk): one observation per item, the mean gap between the engine steps
 that brought its tokens, so the Ray calls scale with items (at most stream_items_per_s), not tokens.
 Each Ray call costs ~2 us of this replica's GIL, and per token they took a sixth of the replica's
@@ -26,12 +29,18 @@ from __future__ import annotations
 
 import bisect
 import threading
+import time
 
 from ray.serve.metrics import Counter, Gauge, Histogram
 
 from engine.outputs import RequestOutput
 
-_LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
+# Fine between 10 and 250 ms, where TTFT and queue time mostly fall: a p50 interpolated inside a bucket
+# (Prometheus' histogram_quantile) is then within a few ms of the exact one.
+_LATENCY_BUCKETS = [
+    0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.035, 0.04, 0.045, 0.05, 0.055, 0.06, 0.07, 0.08, 0.09, 0.1,
+    0.125, 0.15, 0.175, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+]  # fmt: skip
 _ITL_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.0, 2.5]
 _E2E_BUCKETS = [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0]
 
@@ -82,18 +91,34 @@ class ItlBuckets:
         return [(sums[i] / c, c) for i, c in enumerate(counts) if c]
 
 
-class ServerMetrics:
-    def __init__(self, model_name: str):
-        def histogram(name: str, text: str, buckets: list[float]) -> Histogram:
-            h = Histogram(name, description=text, boundaries=buckets, tag_keys=("model",))
-            h.set_default_tags({"model": model_name})  # a fresh dict: Serve adds its own tags in place
-            return h
+def _histogram(model_name: str, name: str, text: str, buckets: list[float]) -> Histogram:
+    h = Histogram(name, description=text, boundaries=buckets, tag_keys=("model",))
+    h.set_default_tags({"model": model_name})  # a fresh dict: Serve adds its own tags in place
+    return h
 
-        self.ttft = histogram(
+
+class IngressMetrics:
+    """What only the ingress sees: when a response got its first generated text."""
+
+    def __init__(self, model_name: str):
+        self.ttft = _histogram(
+            model_name,
             "minserve_time_to_first_token_seconds",
-            "Ingress arrival to first token in the engine replica.",
+            "Ingress arrival to the first generated text handed to the HTTP response.",
             _LATENCY_BUCKETS,
         )
+
+    def first_text(self, arrival_time: float) -> None:
+        self.ttft.observe(max(0.0, time.time() - arrival_time))
+
+
+class ServerMetrics:
+    """The engine replica's metrics: per-request histograms and the engine core's stats."""
+
+    def __init__(self, model_name: str):
+        def histogram(name: str, text: str, buckets: list[float]) -> Histogram:
+            return _histogram(model_name, name, text, buckets)
+
         self.engine_ttft = histogram(
             "minserve_engine_time_to_first_token_seconds",
             "Engine replica arrival to first token sampled by the engine core.",
@@ -130,8 +155,6 @@ class ServerMetrics:
         m = out.metrics
         if m is None:
             return
-        if m.first_token_time is not None:
-            self.ttft.observe(max(0.0, m.first_token_time - m.arrival_time))
         if m.engine_token_time is not None and replica_arrival is not None:
             self.engine_ttft.observe(max(0.0, m.engine_token_time - replica_arrival))
         if m.first_scheduled_time is not None:

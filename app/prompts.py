@@ -2,8 +2,9 @@
 
 `prepare` turns what the ingress sent into what the engine takes, and says what the ingress needs to
 know about the prompt (in the "accepted" stream item): chat prompts are rendered here with their
-template options and sent to the engine as token ids; echo needs the prompt's token ids and the text of
-each token. Plain requests pass through untouched, so they pay for nothing of this.
+template options and sent to the engine as token ids; echo needs the prompt's text as sent, its token
+ids, each token's text and each token's offset in that text. Plain requests pass through untouched,
+so they pay for nothing of this.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from app.chat import ChatPrompt
+from engine.chat_template import ChatTemplateError
 from engine.errors import InvalidRequestError, PromptTooLongError
 from engine.sampling_params import SamplingParams
 
@@ -35,6 +37,21 @@ def token_texts(decode: Callable[[list[int]], str], ids: list[int]) -> list[str]
     return texts
 
 
+def token_offsets(texts: list[str], text: str, special: list[bool]) -> list[int]:
+    """Each token's character offset in `text`, the echoed prompt (OpenAI's text_offset).
+
+    Tokens are matched in order: one whose text is at the cursor takes its width there; a special token
+    that the text does not hold there (the BOS a tokenizer adds to a string prompt) sits at the cursor
+    with no width; any other token moves the cursor by its length (capped at the text's end), so the
+    offsets never decrease even where a tokenizer does not round-trip the text."""
+    offsets, cursor = [], 0
+    for piece, is_special in zip(texts, special, strict=True):
+        offsets.append(cursor)
+        if text.startswith(piece, cursor) or not is_special:
+            cursor = min(cursor + len(piece), len(text))
+    return offsets
+
+
 def _check_ids(ids: list[int], vocab_size: int, field: str) -> None:
     bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
     if bad:
@@ -53,7 +70,13 @@ def prepare(tokenizer, prompt, echo: bool) -> tuple[object, dict]:
     if echo:
         ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         _check_ids(ids, tokenizer.vocab_size, "prompt")  # before decoding them
-        facts["prompt_token_texts"] = token_texts(tokenizer.decode, ids)
+        texts = token_texts(tokenizer.decode, ids)
+        # the prompt as sent (OpenAI's and vLLM's echo); token ids echo as the text they decode to
+        text = prompt if isinstance(prompt, str) else "".join(texts)
+        special = [t in tokenizer.all_special_ids for t in ids]
+        facts["prompt_text"] = text
+        facts["prompt_token_texts"] = texts
+        facts["prompt_token_offsets"] = token_offsets(texts, text, special)
         facts["prompt_tokens"] = len(ids)
         prompt = ids
     return prompt, facts
@@ -94,3 +117,31 @@ def tokenize(
 def detokenize(tokenizer, tokens: list[int]) -> dict:
     _check_ids(tokens, tokenizer.vocab_size, "tokens")
     return {"prompt": tokenizer.decode(tokens)}
+
+
+def tokenizer_info(tokenizer, max_model_len: int) -> dict:
+    """vLLM's /tokenizer_info: what a client needs to rebuild the tokenizer's behaviour remotely (its
+    class, special tokens, the chat template this server renders with, lengths). Only JSON values."""
+    hf = tokenizer.hf
+    info: dict = {"tokenizer_class": type(hf).__name__}
+    for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        value = getattr(hf, key, None)
+        info[key] = value if isinstance(value, str) else None
+    for key in (
+        "add_bos_token",
+        "add_eos_token",
+        "padding_side",
+        "truncation_side",
+        "clean_up_tokenization_spaces",
+    ):
+        value = getattr(hf, key, None)
+        if isinstance(value, (bool, str)):
+            info[key] = value
+    try:
+        info["chat_template"] = tokenizer.chat_template.source
+    except ChatTemplateError:  # a checkpoint without any template still has a tokenizer
+        info["chat_template"] = None
+    info["model_max_length"] = max_model_len
+    info["vocab_size"] = tokenizer.vocab_size
+    info["eos_token_ids"] = sorted(tokenizer.eos_token_ids)
+    return info

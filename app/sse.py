@@ -106,7 +106,8 @@ class ResponseAssembler:
                 self._offsets[i] = offset
 
     def _echo_text(self, prompt_index: int) -> str:
-        return "".join(self._facts[prompt_index].get("prompt_token_texts", ()))
+        """The prompt as the client sent it (token-id prompts: their decoded text)."""
+        return self._facts[prompt_index].get("prompt_text", "")
 
     def record_usage(self, prompt_index: int, item: dict) -> None:
         self._usage[prompt_index] = (item["prompt_tokens"], item["completion_tokens"], item["cached_tokens"])
@@ -140,7 +141,8 @@ class ResponseAssembler:
         text = self._echo_text(prompt_index) if self.echo else ""
         legacy = None
         if self.echo and self.logprobs and not self.chat:
-            legacy = shapes.echo_logprobs(self._facts[prompt_index].get("prompt_token_texts", []), plp)
+            facts = self._facts[prompt_index]
+            legacy = shapes.echo_logprobs(facts["prompt_token_texts"], facts["prompt_token_offsets"], plp)
         vllm = shapes.vllm_prompt_logprobs(plp) if self.prompt_logprobs and plp is not None else None
         return text, legacy, vllm
 

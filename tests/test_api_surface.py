@@ -25,7 +25,7 @@ from app.chat import ChatPrompt
 from app.engine_client import EngineClient
 from app.field_policy import CHAT_UNSUPPORTED, reject_unsupported, unknown_field_message
 from app.logprob_shapes import echo_logprobs, vllm_prompt_logprobs
-from app.prompts import token_texts
+from app.prompts import token_offsets, token_texts
 from app.reasoning import ThinkSplitter
 from app.sse import ResponseAssembler
 from engine.sampling_params import SamplingParams
@@ -84,7 +84,7 @@ def _plp(entries):
 
 def test_echo_logprobs_and_vllm_shape():
     plp = _plp([(5, "b", -1.0, [(5, "b", -1.0), (6, "c", -2.0)]), (7, "cd", -3.0, [(6, "c", -0.5)])])
-    lp = echo_logprobs(["a", "b", "cd"], plp)
+    lp = echo_logprobs(["a", "b", "cd"], [0, 1, 2], plp)
     assert lp.tokens == ["a", "b", "cd"] and lp.text_offset == [0, 1, 2]
     assert lp.token_logprobs == [None, -1.0, -3.0]
     assert lp.top_logprobs == [None, {"b": -1.0, "c": -2.0}, {"c": -0.5, "cd": -3.0}]
@@ -95,6 +95,20 @@ def test_echo_logprobs_and_vllm_shape():
         "6": {"logprob": -2.0, "rank": 2, "decoded_token": "c"},
     }
     assert vllm[2]["7"] == {"logprob": -3.0, "rank": None, "decoded_token": "cd"}  # below the top k
+
+
+@pytest.mark.parametrize(
+    "texts, text, special, expected",
+    [
+        (["<s>", "Hi", " there"], "Hi there", [True, False, False], [0, 0, 2]),  # an added BOS: no width
+        (["<s>", "Hi"], "<s>Hi", [True, False], [0, 3]),  # the client wrote the special token itself
+        (["Hi", "<eot>", "!"], "Hi<eot>!", [False, True, False], [0, 2, 7]),
+        (["ab", "cd"], "abXcd", [False, False], [0, 2]),  # no round trip: offsets still advance
+        (["ab", "cdef"], "abc", [False, False], [0, 2]),  # capped at the text's end
+    ],
+)
+def test_token_offsets_in_the_echoed_prompt(texts, text, special, expected):
+    assert token_offsets(texts, text, special) == expected
 
 
 def _item(text, completion, finish=None, prompt_tokens=4):
@@ -157,6 +171,27 @@ def test_field_policy_units():
 def test_chat_prompt_refuses_reserved_template_kwargs():
     with pytest.raises(Exception, match="chat_template_kwargs"):
         ChatPrompt([{"role": "user", "content": "x"}], template_kwargs={"add_generation_prompt": False})
+
+
+def test_ttft_is_observed_once_at_the_first_item_with_text(monkeypatch):
+    from app import ingress, metrics
+
+    class Recorder:
+        def __init__(self):
+            self.seen = []
+
+        def observe(self, value):
+            self.seen.append(value)
+
+    m = metrics.IngressMetrics.__new__(metrics.IngressMetrics)
+    m.ttft = Recorder()
+    monkeypatch.setattr(metrics.time, "time", lambda: 10.25)
+    first = ingress.FirstText(m, arrival=10.0)
+    first.seen({"outputs": [{"text": ""}]})  # a token that ends inside a character: nothing visible yet
+    assert m.ttft.seen == []
+    first.seen({"outputs": [{"text": ""}, {"text": "a"}]})
+    first.seen({"outputs": [{"text": "b"}]})
+    assert m.ttft.seen == [0.25]
 
 
 def test_the_ingress_arrival_time_reaches_the_replica_call():
@@ -309,13 +344,15 @@ def test_echo_logprobs_shape_and_values(server, client, llm):
     lp = choice.logprobs
     ids = llm.tokenizer.encode(PROMPT)
     n = len(ids)
+    assert ids[0] == llm.tokenizer.bos_token_id  # the tokenizer adds BOS to a string prompt
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n + 3
-    assert "".join(lp.tokens[:n]) == llm.tokenizer.decode(ids) and choice.text.startswith(
-        "".join(lp.tokens[:n])
-    )
-    assert "".join(lp.tokens) == choice.text  # ASCII prompt and tokens: the pieces are the text
+    # echo returns the prompt as sent (OpenAI, vLLM); tokens list every prompt token, BOS included
+    assert choice.text.startswith(PROMPT) and not choice.text.startswith(lp.tokens[0])
+    assert "".join(lp.tokens[1:n]) == PROMPT and "".join(lp.tokens[1:]) == choice.text
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
-    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(n + 3)]
+    assert lp.text_offset[0] == 0  # BOS: no width in the text
+    for token, offset in zip(lp.tokens[1:], lp.text_offset[1:]):
+        assert choice.text[offset : offset + len(token)] == token
     reference = _offline_prompt_logprobs(llm, PROMPT, 2)
     for i in range(1, n):
         assert lp.token_logprobs[i] == pytest.approx(reference[i].logprob, abs=1e-4)
@@ -355,7 +392,7 @@ def test_max_tokens_zero_with_echo_scores_the_prompt(server, llm):
     assert resp.status_code == 200, resp.text
     choice = resp.json()["choices"][0]
     ids = llm.tokenizer.encode(PROMPT)
-    assert choice["text"] == llm.tokenizer.decode(ids) and choice["finish_reason"] == "length"
+    assert choice["text"] == PROMPT and choice["finish_reason"] == "length"
     assert len(choice["logprobs"]["tokens"]) == len(ids) and resp.json()["usage"]["completion_tokens"] == 0
     plain = _post(server, "/v1/completions", {"model": server.model, "prompt": PROMPT, "max_tokens": 0})
     assert plain.status_code == 200 and plain.json()["choices"][0]["text"] == ""
@@ -460,6 +497,20 @@ def test_tokenize_and_detokenize_round_trip(server, llm):
     assert chat["tokens"] == tok.encode_chat(messages)
     _error(_post(server, "/detokenize", {"tokens": [10**9]}), 422, param="tokens")
     _error(_post(server, "/tokenize", {"prompt": "x", "model": "nope"}), 404, code="model_not_found")
+
+
+def test_tokenizer_info_matches_the_checkpoint(server, model_dir):
+    """vLLM's /tokenizer_info (lm-eval's remote tokenizer reads it), against transformers' own loading of
+    the served checkpoint and the chat template file this module wrote into it."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    info = httpx.get(f"{server.url}/tokenizer_info", timeout=30).json()
+    assert info["tokenizer_class"] == type(hf).__name__
+    assert (info["bos_token"], info["eos_token"]) == (hf.bos_token, hf.eos_token)
+    assert info["chat_template"] == THINKING_TEMPLATE
+    assert info["vocab_size"] == len(hf) and hf.eos_token_id in info["eos_token_ids"]
+    assert info["model_max_length"] == httpx.get(f"{server.url}/v1/models").json()["data"][0]["max_model_len"]
 
 
 def test_field_policy(server):

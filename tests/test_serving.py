@@ -478,6 +478,15 @@ def test_metrics_at_ray_metrics_port(server):
         rf'^ray_minserve_generation_tokens_total\{{[^}}]*model="{server.model}"[^}}]*\}} (\S+)', text, re.M
     )
     assert tokens and float(tokens.group(1)) > 0
+    # TTFT ends where a client's does, so the ingress observes it; the engine's own TTFT is the replica's
+    deployments = {
+        name: set(re.findall(rf'^ray_{name}_count\{{[^}}]*deployment="(\w+)"', text, re.M))
+        for name in ("minserve_time_to_first_token_seconds", "minserve_engine_time_to_first_token_seconds")
+    }
+    assert deployments == {
+        "minserve_time_to_first_token_seconds": {"Ingress"},
+        "minserve_engine_time_to_first_token_seconds": {"EngineDeployment"},
+    }, deployments
 
 
 @pytest.mark.slow
