@@ -43,7 +43,8 @@ def _serving_stack_missing() -> bool:
 
 # The serving tests need Ray Serve and the openai client; a bare GPU host (for `pytest -m gpu`) has
 # neither, so those modules are not collected there rather than failing at import.
-collect_ignore_glob = ["test_serving*.py", "test_hardening*.py"] if _serving_stack_missing() else []
+_SERVING_MODULES = ["test_serving*.py", "test_hardening*.py", "test_api_surface.py", "test_clients.py"]
+collect_ignore_glob = list(_SERVING_MODULES) if _serving_stack_missing() else []
 # The property-based tests need hypothesis (the [dev] extra), which a bare GPU host may lack too.
 if importlib.util.find_spec("hypothesis") is None:
     collect_ignore_glob += ["test_scheduler.py", "test_block_manager_stateful.py", "test_hardening*.py"]
