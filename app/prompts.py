@@ -127,16 +127,15 @@ def tokenizer_info(tokenizer, max_model_len: int) -> dict:
     for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
         value = getattr(hf, key, None)
         info[key] = value if isinstance(value, str) else None
-    for key in (
-        "add_bos_token",
-        "add_eos_token",
-        "padding_side",
-        "truncation_side",
-        "clean_up_tokenization_spaces",
-    ):
+    for key in ("padding_side", "truncation_side"):
         value = getattr(hf, key, None)
-        if isinstance(value, (bool, str)):
+        if isinstance(value, str):
             info[key] = value
+    # what encoding a text does, not the tokenizer_config flag (a tokenizer.json post-processor can add
+    # BOS while add_bos_token says false)
+    probe = tokenizer.encode("a")
+    info["add_bos_token"] = bool(probe) and probe[0] == tokenizer.bos_token_id
+    info["add_eos_token"] = bool(probe) and probe[-1] in tokenizer.eos_token_ids
     try:
         info["chat_template"] = tokenizer.chat_template.source
     except ChatTemplateError:  # a checkpoint without any template still has a tokenizer

@@ -509,6 +509,7 @@ def test_tokenizer_info_matches_the_checkpoint(server, model_dir):
     assert info["tokenizer_class"] == type(hf).__name__
     assert (info["bos_token"], info["eos_token"]) == (hf.bos_token, hf.eos_token)
     assert info["chat_template"] == THINKING_TEMPLATE
+    assert info["add_bos_token"] == (hf("a")["input_ids"][0] == hf.bos_token_id)
     assert info["vocab_size"] == len(hf) and hf.eos_token_id in info["eos_token_ids"]
     assert info["model_max_length"] == httpx.get(f"{server.url}/v1/models").json()["data"][0]["max_model_len"]
 

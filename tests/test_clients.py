@@ -392,20 +392,26 @@ LM_EVAL_CODE = """
 import json, sys
 from lm_eval.api.instance import Instance
 from lm_eval.models.openai_completions import LocalCompletionsAPI
-url, model, tokenizer, pairs = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
-lm = LocalCompletionsAPI(model=model, base_url=url + "/v1/completions", tokenizer_backend="huggingface",
-                         tokenizer=tokenizer, max_retries=1, batch_size=2)
+url, model, tokenizer, pairs, backend = sys.argv[1:6]
+pairs = json.loads(pairs)
+# remote: lm-eval tokenizes through the server (GET /tokenizer_info, POST /tokenize, /detokenize)
+extra = {"tokenizer": tokenizer} if backend == "huggingface" else {}
+lm = LocalCompletionsAPI(model=model, base_url=url + "/v1/completions", tokenizer_backend=backend,
+                         max_retries=1, batch_size=2, **extra)
 reqs = [Instance(request_type="loglikelihood", doc={}, arguments=tuple(p), idx=i)
         for i, p in enumerate(pairs)]
 res = lm.loglikelihood(reqs, disable_tqdm=True)
-print(json.dumps({"results": res, "encoded": [lm._encode_pair(*p) for p in pairs]}))
+print(json.dumps({"results": res, "encoded": [lm._encode_pair(*p) for p in pairs],
+                  "tokenizer": type(lm.tokenizer).__name__}))
 """
 
 
-def test_real_lm_eval_loglikelihood(server, offline, tiny_model_dir):
+@pytest.mark.parametrize("backend", ["huggingface", "remote"])
+def test_real_lm_eval_loglikelihood(server, offline, tiny_model_dir, backend):
     out = _run_client(
-        "lm_eval", LM_EVAL_CODE, server.url, server.model, str(tiny_model_dir), json.dumps(PAIRS)
+        "lm_eval", LM_EVAL_CODE, server.url, server.model, str(tiny_model_dir), json.dumps(PAIRS), backend
     )
+    assert (out["tokenizer"] == "RemoteTokenizer") == (backend == "remote"), out["tokenizer"]
     for (logprob, greedy), (ctx, cont) in zip(out["results"], out["encoded"], strict=True):
         total, ref_greedy, _ = _reference(offline, ctx, cont)
         assert math.isclose(logprob, total, abs_tol=TOL * len(cont)), (logprob, total)
