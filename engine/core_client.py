@@ -118,7 +118,7 @@ class CoreClient:
         if not self.is_alive():
             raise EngineDeadError(f"the engine core is not running ({self.death or 'exited'})")
         ids = admission.tokenize(self.tokenizer, prompt, self.limits.vocab_size)
-        admission.check(ids, params, self.limits)
+        admission.check(ids, params, self.limits, self.tokenizer)
         arrival = arrival_time or time.time()
         with self._lock:
             if len(self._live) >= self.limits.max_num_seqs + self.limits.max_waiting:

@@ -44,6 +44,18 @@ class BudgetForcing:
         _check(self.min_tokens >= 0, "budget_forcing.min_tokens", "must be >= 0")
 
 
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on the generated text."""
+
+    # "json" (spec: a JSON schema, dict or JSON string), "json_object" (spec None: any JSON object),
+    # "regex" (spec: str), "choice" (spec: list[str]), "grammar" (spec: str, Lark syntax as llguidance
+    # takes it). Checked and compiled by engine/structured.py (from engine.admission.check).
+    kind: str
+    spec: object = None
+    field: str = "structured_outputs"  # the API field errors are reported against
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -67,6 +79,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     tool: ToolConfig | None = None
     budget_forcing: BudgetForcing | None = None
+    # grammar-constrained decoding (engine/structured.py, engine/grammar_state.py); None: free text
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

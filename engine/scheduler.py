@@ -155,6 +155,8 @@ class Scheduler:
         for i in range(1, request.params.n):
             child = Sequence(request, i, list(seq.token_ids), num_computed=seq.num_computed)
             child.table = self.bm.fork(seq.table)
+            if seq.grammar is not None:  # a copy of the parent's matcher (no output consumed yet)
+                child.grammar = seq.grammar.fork()
             child.status = SeqStatus.RUNNING
             children.append(child)
         request.seqs.extend(children)
