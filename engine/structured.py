@@ -11,10 +11,12 @@ kind, a malformed spec, an invalid regex, a JSON-schema feature llguidance does 
 grammar that does not compile, or a grammar that exceeds the compile limits below. A constraint is
 never dropped silently.
 
-Compile limits (llguidance's fuel, `LIMITS`): building the lexer may spend INITIAL_LEXER_FUEL units
-(about 50k units per ms, so roughly 40 ms of regex analysis) and the grammar may hold MAX_GRAMMAR_SIZE
-symbols; past either, the compile stops with an error that says so. Mask computation per step is
-bounded the same way (STEP_LEXER_FUEL, STEP_MAX_ITEMS).
+Compile limits: a spec longer than MAX_SPEC_CHARS is refused unread. llguidance's fuel (`limits()`)
+bounds the work: building the lexer may spend INITIAL_LEXER_FUEL units (about 50k units per ms, so
+roughly 40 ms of regex analysis) and the grammar may hold MAX_GRAMMAR_SIZE symbols; past either, the
+compile stops with an error that says so. Each compile also runs on its own thread with a large stack
+and is abandoned after COMPILE_TIMEOUT_S of wall time (`_in_compile_thread`). Mask computation per step
+is bounded by fuel as well (STEP_LEXER_FUEL, STEP_MAX_ITEMS).
 
 No torch here: the replica imports this module without the model.
 """
@@ -30,7 +32,9 @@ from engine.sampling_params import StructuredOutput
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 CACHE_SIZE = 256  # prototypes kept per tokenizer
-MAX_SPEC_CHARS = 200_000  # a larger spec is refused before it is parsed
+MAX_SPEC_CHARS = 100_000  # a larger spec is refused before it is parsed
+COMPILE_TIMEOUT_S = 10.0  # wall-clock bound on one compile (besides the fuel below)
+COMPILE_STACK_MB = 256  # stack of the compile thread (reserved address space; used only by deep grammars)
 INITIAL_LEXER_FUEL = 2_000_000
 MAX_GRAMMAR_SIZE = 200_000
 STEP_LEXER_FUEL = 200_000
@@ -154,10 +158,47 @@ class GrammarCompiler:
         except ValueError as exc:
             raise _fail(so, f"cannot read the {kind}: {exc}") from None
         self.compiles += 1
-        matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0, limits=self._limits)
+        matcher = _in_compile_thread(
+            lambda: llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0, limits=self._limits),
+            lambda: _fail(so, f"the {kind} took longer than {COMPILE_TIMEOUT_S:g} s to compile; simplify it"),
+        )
         if matcher.is_error():
             raise _fail(so, _explain(kind, matcher.get_error()))
         return matcher
+
+
+_stack_lock = threading.Lock()
+
+
+def _in_compile_thread(build, on_timeout):
+    """Run `build()` on a fresh thread with a COMPILE_STACK_MB stack and wait COMPILE_TIMEOUT_S for it.
+
+    llguidance recurses over nested grammar rules: a chain of ~3000 Lark rules overflows a default 8 MiB
+    stack and kills the process (SIGSEGV), so compiles never run on the caller's thread. A compile that
+    overruns the timeout is abandoned (it finishes in the background; its result is dropped) and the
+    request is refused."""
+    box: list = []
+
+    def work() -> None:
+        try:
+            box.append((True, build()))
+        except BaseException as exc:  # handed to the caller's thread
+            box.append((False, exc))
+
+    with _stack_lock:  # stack_size is process-wide for threads started after it: restore it at once
+        previous = threading.stack_size(COMPILE_STACK_MB << 20)
+        try:
+            thread = threading.Thread(target=work, name="grammar-compile", daemon=True)
+            thread.start()
+        finally:
+            threading.stack_size(previous)
+    thread.join(COMPILE_TIMEOUT_S)
+    if not box:
+        raise on_timeout()
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value
 
 
 def _explain(kind: str, error: str) -> str:
