@@ -30,9 +30,9 @@ from engine.uploader import Uploader
 
 
 class DeferredSample:
-    """The draw of a step launched ahead with grammar-constrained rows: forward and logits are
-    enqueued; `finish()` fills the masks and enqueues the sampling, once the engine has appended the
-    previous step's tokens (so every matcher is up to date)."""
+    """The draw of a step launched ahead whose rows read host state (grammar matchers, penalties' token
+    history; SchedulerOutput.draw_late): forward and logits are enqueued; `finish()` fills the masks and
+    enqueues the sampling once the engine has appended the previous step's tokens."""
 
     def __init__(self, draw: Callable[[], PendingSample]):
         self.finish = draw
@@ -103,17 +103,20 @@ class ModelRunner:
             logits = logits.index_select(0, self.upload.values("sample_rows", batch.sample_rows, torch.long))
         rows = [self._sampling_row(s, p) for s, p in zip(batch.samplers, batch.draw_positions, strict=True)]
         constrained = [i for i, s in enumerate(batch.samplers) if s.grammar is not None]
-        if not constrained:
-            return self.sampler(logits, rows) if scores is None else self.sampler(logits, rows, scores)
-        draw = functools.partial(self._sample_constrained, logits, rows, scores, batch.samplers, constrained)
-        # a step launched ahead: its grammars have not seen the previous step's tokens yet; the engine
-        # runs the draw once they have, while the device still runs this step's forward
-        return DeferredSample(draw) if out.prev_rows is not None else draw()
+        if out.draw_late:
+            # launched ahead: the host has not appended the previous step's tokens, which the grammars
+            # and penalties read; the engine draws once it has, while the device runs this forward
+            return DeferredSample(
+                functools.partial(self._draw, logits, rows, scores, batch.samplers, constrained)
+            )
+        return self._draw(logits, rows, scores, batch.samplers, constrained)
 
     @torch.inference_mode()
-    def _sample_constrained(self, logits, rows, scores, samplers, constrained: list[int]) -> PendingSample:
-        """Fill the constrained rows' bitmask on the host (the forward is already enqueued, so this
-        overlaps it on a GPU), upload it and sample with it."""
+    def _draw(self, logits, rows, scores, samplers, constrained: list[int]) -> PendingSample:
+        """Sample; with constrained rows, first fill their bitmask on the host (the forward is already
+        enqueued, so on a GPU this overlaps it) and upload it."""
+        if not constrained:
+            return self.sampler(logits, rows) if scores is None else self.sampler(logits, rows, scores)
         bitmask = self.bitmasks.fill([samplers[i].grammar for i in constrained])
         index = (
             None

@@ -138,15 +138,16 @@ class SamplingParams:
     @property
     def needs_host_tokens(self) -> bool:
         """True when the next step's input depends on host-side token work: forced tokens (tool, budget
-        forcing) replace or follow the sampled one, and penalties read the whole token history. Such
-        sequences never run a step ahead of their sampled tokens."""
-        return (
-            self.tool is not None
-            or self.budget_forcing is not None
-            or self.repetition_penalty != 1.0
-            or self.presence_penalty != 0.0
-            or self.frequency_penalty != 0.0
-        )
+        forcing) replace or follow the sampled one. Such sequences never run a step ahead of their
+        sampled tokens."""
+        return self.tool is not None or self.budget_forcing is not None
+
+    @property
+    def draws_from_history(self) -> bool:
+        """True when the draw reads the host's token history (penalties; a grammar reads its matcher):
+        in a step launched ahead, such a row draws only once the previous step's tokens are appended
+        (engine/model_runner.DeferredSample)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
 def _logit_bias(bias: dict | None) -> dict[int, float] | None:
