@@ -59,25 +59,12 @@ def canonical(so: StructuredOutput) -> str:
         raise _fail(so, f"unknown kind {so.kind!r}; use one of {', '.join(KINDS)}")
     spec = so.spec
     if so.kind == "json":
-        if isinstance(spec, str):
-            if len(spec) > MAX_SPEC_CHARS:
-                raise _fail(so, f"the schema is longer than {MAX_SPEC_CHARS} characters")
-            try:
-                spec = json.loads(spec)
-            except ValueError as exc:
-                raise _fail(so, f"the schema is not valid JSON ({exc}); send a JSON object") from None
-        if not isinstance(spec, (dict, bool)):
-            raise _fail(so, "the JSON schema must be an object (a dict or its JSON text)")
-        # key order kept: it is the order in which properties are generated
-        text = json.dumps(spec, separators=(",", ":"))
-        if len(text) > MAX_SPEC_CHARS:
-            raise _fail(so, f"the schema is longer than {MAX_SPEC_CHARS} characters")
-        return text
-    if so.kind == "json_object":
+        text = _schema_text(so)
+    elif so.kind == "json_object":
         if spec is not None:
             raise _fail(so, "kind 'json_object' takes no spec (it allows any JSON object)")
-        return ""
-    if so.kind == "choice":
+        text = ""
+    elif so.kind == "choice":
         if not isinstance(spec, (list, tuple)) or not spec or not all(isinstance(c, str) for c in spec):
             raise _fail(so, "choice needs a non-empty list of strings")
         if any(c == "" for c in spec):
@@ -90,6 +77,25 @@ def canonical(so: StructuredOutput) -> str:
     if len(text) > MAX_SPEC_CHARS:
         raise _fail(so, f"the {so.kind} is longer than {MAX_SPEC_CHARS} characters")
     return text
+
+
+def _schema_text(so: StructuredOutput) -> str:
+    """A JSON schema (dict or JSON text) as compact JSON text; key order kept: it is the order in
+    which properties are generated."""
+    spec = so.spec
+    if isinstance(spec, str):
+        if len(spec) > MAX_SPEC_CHARS:
+            raise _fail(so, f"the schema is longer than {MAX_SPEC_CHARS} characters")
+        try:
+            spec = json.loads(spec)
+        except ValueError as exc:
+            raise _fail(so, f"the schema is not valid JSON ({exc}); send a JSON object") from None
+    if not isinstance(spec, (dict, bool)):
+        raise _fail(so, "the JSON schema must be an object (a dict or its JSON text)")
+    try:
+        return json.dumps(spec, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError) as exc:  # a set, a NaN, a cycle: not JSON
+        raise _fail(so, f"the schema is not JSON data ({exc})") from None
 
 
 def grammar_text(kind: str, spec: str) -> str:

@@ -186,6 +186,9 @@ def test_unconstrained_neighbours_are_unaffected(tiny_model_dir, engine):
         (so("choice", ["a", 3]), "choice"),
         (so("grammar", "start: foo\n"), "grammar"),
         (so("json_object", {"type": "object"}), "json_object"),
+        (so("json", {"enum": {1, 2}}), "not JSON"),
+        (so("json", {"type": "number", "minimum": float("nan")}), "not JSON"),
+        (so("json", False), "json"),
     ],
 )
 def test_bad_constraints_raise_naming_the_field(engine, structured, words):
@@ -283,3 +286,49 @@ def test_grammar_state_fork_and_rollback(engine):
     assert finished[-1] and state.finished and not child.finished
     with pytest.raises(ValueError):
         child.rollback(len(ids) + 1)
+
+
+def test_finish_reasons_and_raw_logprobs(engine):
+    """A complete grammar ends with "stop" even with ignore_eos; max_tokens still ends with "length";
+    reported logprobs are the model's own distribution, not the masked one."""
+    choice = SamplingParams(
+        max_tokens=20, temperature=1.0, seed=3, ignore_eos=True, structured=so("choice", CHOICES[0])
+    )
+    short = sampled(so("json", SCHEMAS[0]), seed=1, max_tokens=3)
+    greedy = dict(max_tokens=1, temperature=0.0, logprobs=5)
+    masked = SamplingParams(**greedy, structured=so("regex", "zzz[0-9]"))
+    got = run(engine, [(PROMPT, choice), (PROMPT, short)])
+    assert got[0][0][2] == "stop" and got[0][0][1] in CHOICES[0]
+    assert got[1][0][2] == "length" and len(got[1][0][0]) == 3
+    free_id = engine.add_request(PROMPT, SamplingParams(**greedy))
+    masked_id = engine.add_request(PROMPT, masked)
+    lps = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            lps.setdefault(o.request_id, []).extend(lp for d in o.outputs for lp in d.logprobs or [])
+    (free,), (constrained,) = lps[free_id], lps[masked_id]
+    assert constrained.top == free.top  # the same raw top 5 at the same position
+    assert constrained.token_id != free.token_id  # the grammar picked another token
+    assert constrained.logprob < free.logprob <= 0
+
+
+def test_through_the_engine_core_process(tiny_model_dir, engine):
+    """The replica (CoreClient.submit) refuses a bad constraint before the core sees it; a good one
+    gives what the offline engine gives."""
+    from engine.core_client import CoreClient
+    from tests.test_engine_core import Collector
+
+    sink = Collector()
+    client = CoreClient(EngineConfig.from_kwargs(str(tiny_model_dir), dtype="float32", device="cpu"), sink)
+    try:
+        with pytest.raises(InvalidRequestError, match="response_format"):
+            client.submit(PROMPT, SamplingParams(structured=so("regex", "a(b")))
+        params = sampled(so("json", SCHEMAS[1]), seed=5, n=2)
+        rid = client.submit(PROMPT, params)
+        sink.wait(rid)
+    finally:
+        client.shutdown()
+    (want,) = run(engine, [(PROMPT, params)])
+    for index, (ids, _, reason) in want.items():
+        assert sink.tokens[f"{rid}/{index}"] == ids
+    assert sorted(sink.finish[rid]) == [(i, want[i][2], None) for i in sorted(want)]
