@@ -329,6 +329,6 @@ def test_through_the_engine_core_process(tiny_model_dir, engine):
     finally:
         client.shutdown()
     (want,) = run(engine, [(PROMPT, params)])
-    for index, (ids, _, reason) in want.items():
+    for index, (ids, _, _) in want.items():
         assert sink.tokens[f"{rid}/{index}"] == ids
     assert sorted(sink.finish[rid]) == [(i, want[i][2], None) for i in sorted(want)]
