@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import shutil
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -36,6 +37,27 @@ from benchmarks.structured_cases import SCHEMAS
 ROOT = Path(__file__).resolve().parents[1]
 DECODE_SCHEMA = {"type": "array", "items": {"type": "string", "maxLength": 24}, "minItems": 100000}
 SIZES = {"small": dict(prompt=16, gen=12, reps=1), "full": dict(prompt=128, gen=256, reps=2)}
+
+
+def ensure_llguidance() -> None:
+    """A CUDA host usually lacks llguidance: install it from the wheelhouse (.gpuwheels, made by
+    `python -m scripts.wheelhouse build`, which includes it) into /tmp/pylib, as serve_stack does for Ray."""
+    try:
+        import llguidance  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        return
+    from scripts.wheelhouse import DEFAULT_DIR, DEFAULT_TARGET, install_command
+
+    wheels = sorted((ROOT / DEFAULT_DIR).glob("llguidance-*.whl"))
+    if not wheels:
+        sys.exit(
+            "structured_bench: llguidance is missing: pip install llguidance, or bring the wheelhouse "
+            f"({DEFAULT_DIR}, python -m scripts.wheelhouse build)"
+        )
+    subprocess.run(install_command(wheels, DEFAULT_TARGET), check=True)
+    sys.path.insert(0, DEFAULT_TARGET)
 
 
 def checkpoint(model: str, ckpt_dir: Path, tokenizer: Path | None) -> Path:
@@ -194,6 +216,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tokenizer", type=Path, default=None, help="a tokenizer dir of the model's vocab size")
     args = ap.parse_args(argv)
     batches, size = [int(b) for b in args.batches.split(",")], SIZES[args.steps]
+    ensure_llguidance()
     import torch
 
     from engine import LLM
