@@ -60,6 +60,9 @@ class LLMEngine:
             self.max_model_len, mc.vocab_size, self.block_manager.num_blocks, self.block_manager.block_size,
             sc.max_num_seqs, sc.max_waiting,
         )  # fmt: skip
+        structured.warm_up(
+            self.tokenizer, self.limits.vocab_size
+        )  # llguidance's token trie, in the background
         self.requests: dict[str, Request] = {}
         self._failed: list[Request] = []
         self._touched: dict[str, Request] = {}  # requests with tokens not yet turned into outputs

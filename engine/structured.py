@@ -237,6 +237,22 @@ def compiler_for(tokenizer, vocab_size: int) -> GrammarCompiler:
         return compiler
 
 
+def warm_up(tokenizer, vocab_size: int) -> threading.Thread:
+    """Build the tokenizer's compiler on a background thread now, so that the first structured request
+    does not stall the step loop (or the replica's event loop) for the token trie. Without llguidance
+    installed this does nothing: structured requests then fail, unconstrained ones never notice."""
+
+    def build() -> None:
+        try:
+            compiler_for(tokenizer, vocab_size)
+        except ImportError:
+            pass
+
+    thread = threading.Thread(target=build, name="grammar-warm-up", daemon=True)
+    thread.start()
+    return thread
+
+
 def check(so: StructuredOutput, tokenizer, vocab_size: int) -> None:
     """Raise InvalidRequestError unless `so` compiles for this tokenizer (the compile is cached)."""
     compiler_for(tokenizer, vocab_size).prototype(so)
