@@ -1,8 +1,9 @@
 """Token-bitmask application for grammar-constrained decoding (twin: kernels.torch_ops.apply_token_bitmask).
 
-Grid (constrained row, vocabulary chunk). A program reads BLOCK // 32 mask words of its row and writes
--inf into the logits whose bit is 0; allowed logits are neither read nor written, so a row costs one
-read of its mask (V / 8 bytes) plus the stores of the refused tokens. Row i of the mask applies to
+Grid (constrained row, vocabulary chunk). A program reads BLOCK // 32 mask words of its row, expands
+them to a [BLOCK // 32, 32] grid of bits (token 32 * word + bit) and rewrites its BLOCK logits with
+-inf where the bit is 0: one read and one write of the row's logits in 16-byte vectors (a masked
+scatter of only the refused tokens would store element by element). Row i of the mask applies to
 logits row rows[i] (or row i when HAS_ROWS is off). Knows nothing of requests or grammars.
 """
 
@@ -23,13 +24,16 @@ def _bitmask_kernel(
     i = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     row = tl.load(rows_ptr + i).to(tl.int64) if HAS_ROWS else i
-    offs = chunk * BLOCK + tl.arange(0, BLOCK)
+    words_at = chunk * (BLOCK // 32) + tl.arange(0, BLOCK // 32)
+    # tokens beyond the mask's 32 * W bits are refused (their word reads as 0)
+    words = tl.load(mask_ptr + i * W + words_at, mask=words_at < W, other=0)
+    bit = tl.arange(0, 32)
+    allowed = ((words[:, None] >> bit[None, :]) & 1) != 0  # [BLOCK // 32, 32]: token 32 * word + bit
+    offs = words_at[:, None] * 32 + bit[None, :]
     inside = offs < V
-    # tokens beyond the mask's 32 * W bits are refused (their word index reads as 0)
-    words = tl.load(mask_ptr + i * W + offs // 32, mask=inside & (offs // 32 < W), other=0)
-    bit = (words >> (offs % 32)) & 1
-    neg_inf = tl.full([BLOCK], float("-inf"), tl.float32).to(logits_ptr.dtype.element_ty)
-    tl.store(logits_ptr + row * stride_l + offs, neg_inf, mask=inside & (bit == 0))
+    ptrs = logits_ptr + row * stride_l + offs
+    x = tl.load(ptrs, mask=inside)
+    tl.store(ptrs, tl.where(allowed, x, float("-inf")).to(x.dtype), mask=inside)
 
 
 def apply_token_bitmask(

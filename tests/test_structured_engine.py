@@ -13,6 +13,7 @@ import json
 import re
 
 import pytest
+import torch
 
 from benchmarks.structured_cases import CHOICES, GRAMMARS, REGEXES, SCHEMAS
 from engine import admission
@@ -334,3 +335,22 @@ def test_through_the_engine_core_process(tiny_model_dir, engine):
     for index, (ids, _, _) in want.items():
         assert sink.tokens[f"{rid}/{index}"] == ids
     assert sorted(sink.finish[rid]) == [(i, want[i][2], None) for i in sorted(want)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_the_gpu_with_graphs_and_async_scheduling(tiny_model_dir):
+    """CUDA graphs, the pinned mask upload, the Triton mask kernel and the late draw of steps run ahead:
+    valid outputs, and the same with async scheduling off."""
+    cases = [("json", s) for s in SCHEMAS] + [("regex", r) for r in REGEXES]
+    reqs = [(PROMPT, sampled(so(k, s), seed=i, max_tokens=200)) for i, (k, s) in enumerate(cases)]
+    reqs += mixed()
+
+    def gpu_engine(**kw) -> LLMEngine:
+        return LLMEngine(EngineConfig.from_kwargs(str(tiny_model_dir), dtype="float32", device="cuda", **kw))
+
+    eng = gpu_engine()
+    assert eng.runner.graphs is not None
+    got = run(eng, reqs)
+    check_outputs(cases, got[: len(cases)])
+    assert got == run(gpu_engine(async_scheduling=False), reqs)
