@@ -13,8 +13,8 @@ Tokenizers: `tiny` (models/tiny-llama, 2,048 ids), `llama128k-filler` (scripts/m
 interpreter (standard library and site-packages), plus 256 specials as Llama 3: a realistic token
 trie; its printed size is what the corpus gave). Compile: each schema in `COMPILE_SCHEMAS` with
 caching off, until the first mask is filled (what a new request waits for), and the compile alone.
-Fill: 64 matchers of `WORKLOAD`, each advanced by a random allowed non-EOS token per step (seeded);
-the time of the batched fill alone per step, over `--steps` steps.
+Fill: for each constraint of `FILL`, 64 matchers, each advanced by a random allowed non-EOS token per
+step (seeded); the time of the batched fill alone per step, over `--steps` steps.
 """
 
 from __future__ import annotations
@@ -46,6 +46,14 @@ WORKLOAD = {
     "maxItems": 1000,
 }
 COMPILE_SCHEMAS = [SCHEMAS[0], SCHEMAS[1], SCHEMAS[6], SCHEMAS[12], SCHEMAS[14], WORKLOAD]
+# fill workloads: the objects above, and the constraints of benchmarks/structured_bench.py (counted
+# repetitions, maxLength and {4096}, are what makes a mask expensive; unbounded strings are cheap)
+FILL = {
+    "objects": WORKLOAD,
+    "strings24": {"type": "array", "items": {"type": "string", "maxLength": 24}, "minItems": 100000},
+    "free-strings": {"type": "array", "items": {"type": "string"}, "minItems": 100000},
+    "regex4096": "[a-z ]{4096}",
+}
 THREADS = 2  # both libraries get the machine's two cores
 
 
@@ -109,13 +117,19 @@ class Lib:
             self.batch = xgrammar.BatchGrammarMatcher(THREADS)
             self.eos = set(self.tok.stop_token_ids)
 
-    def compile(self, schema: dict):
+    def compile(self, schema: dict | str):
+        """A JSON schema, or a regex given as a string."""
         if self.name == "llguidance":
             layout = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-            grammar = self.ll.LLMatcher.grammar_from_json_schema(schema, defaults=layout)
+            if isinstance(schema, str):
+                grammar = self.ll.LLMatcher.grammar_from_regex(schema)
+            else:
+                grammar = self.ll.LLMatcher.grammar_from_json_schema(schema, defaults=layout)
             matcher = self.ll.LLMatcher(self.tok, grammar, log_level=0)
             assert not matcher.is_error(), matcher.get_error()
             return matcher
+        if isinstance(schema, str):
+            return self.compiler.compile_regex(schema)
         return self.compiler.compile_json_schema(
             json.dumps(schema), any_whitespace=False, separators=(", ", ": ")
         )
@@ -146,6 +160,25 @@ def allowed(row: np.ndarray, vocab: int) -> np.ndarray:
     return np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little")[:vocab])
 
 
+def fill_times(lib: Lib, spec, vocab: int, steps: int, batch: int) -> dict:
+    """Per-step batched fill of `batch` matchers advanced by random allowed non-EOS tokens (seeded)."""
+    compiled = lib.compile(spec)
+    matchers = [lib.matcher(compiled) for _ in range(batch)]
+    bitmask = np.zeros((batch, (vocab + 31) // 32), dtype=np.int32)
+    rng, fills = random.Random(0), []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        lib.fill(matchers, bitmask)
+        fills.append((time.perf_counter() - t0) * 1e3)
+        for i, m in enumerate(matchers):
+            ids = [t for t in allowed(bitmask[i], vocab).tolist() if t not in lib.eos]
+            if lib.done(m) or not ids:
+                matchers[i] = lib.matcher(compiled)
+                continue
+            lib.consume(m, rng.choice(ids))
+    return {"median": statistics.median(fills), "mean": statistics.mean(fills), "max": max(fills)}
+
+
 def bench_tokenizer(lib_name: str, directory: Path, steps: int, batch: int) -> dict:
     from transformers import AutoTokenizer
 
@@ -162,25 +195,7 @@ def bench_tokenizer(lib_name: str, directory: Path, steps: int, batch: int) -> d
         lib.fill([lib.matcher(compiled)], one)
         t2 = time.perf_counter()
         result["compile"].append({"compile_ms": (t1 - t0) * 1e3, "to_first_mask_ms": (t2 - t0) * 1e3})
-    compiled = lib.compile(WORKLOAD)
-    matchers = [lib.matcher(compiled) for _ in range(batch)]
-    bitmask = np.zeros((batch, words), dtype=np.int32)
-    rng, fills = random.Random(0), []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        lib.fill(matchers, bitmask)
-        fills.append((time.perf_counter() - t0) * 1e3)
-        for i, m in enumerate(matchers):
-            ids = [t for t in allowed(bitmask[i], len(hf)).tolist() if t not in lib.eos]
-            if lib.done(m) or not ids:
-                matchers[i] = lib.matcher(compiled)
-                continue
-            lib.consume(m, rng.choice(ids))
-    result["fill_ms"] = {
-        "median": statistics.median(fills),
-        "mean": statistics.mean(fills),
-        "max": max(fills),
-    }
+    result["fill_ms"] = {name: fill_times(lib, spec, len(hf), steps, batch) for name, spec in FILL.items()}
     return result
 
 

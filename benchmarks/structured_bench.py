@@ -11,13 +11,14 @@ tokenizer of the same size into a copy of the checkpoint (e.g. `bpe128k` from
 `python -m benchmarks.grammar_libs_cpu tokenizers DIR`, a BPE trained to 128,256 ids).
 
 Decode: per batch size, greedy requests with `prompt` random-token prompts and exactly `gen` tokens
-each: unconstrained ones use ignore_eos; constrained ones use DECODE_SCHEMA, a JSON array of short
-strings with minItems 100000, which no run can complete, so EOS is never allowed and every request
-runs to max_tokens (checked). "half" constrains every other request. tok/s counts the steps after
-every request's first token (benchmarks/engine_runs.decode_steps), median over `reps` runs after a
-warm-up. Compile: the 20 first schemas of benchmarks/structured_cases.SCHEMAS with a fresh compiler
-(cold, ms each until the prototype exists) and again from its cache. TTFT: add_request to the first
-token at batch 1, a cached schema vs none, median of `reps * 5` requests.
+each: unconstrained ones use ignore_eos; constrained ones use one of CONSTRAINTS (`--constraints`), which
+no run can complete (an array with minItems 100000, a regex of exactly 4096 characters), so EOS is
+never allowed and every request runs to max_tokens (checked). "half" constrains every other request.
+tok/s counts the steps after every request's first token (benchmarks/engine_runs.decode_steps),
+median over `reps` runs after a short warm-up. Compile: the 20 first schemas of
+benchmarks/structured_cases.SCHEMAS with a fresh compiler (cold, ms each until the prototype exists)
+and again from its cache. TTFT: add_request to the first token at batch 1, a cached schema
+(json-array) vs none, median of `reps * 5` requests.
 """
 
 from __future__ import annotations
@@ -35,7 +36,14 @@ from benchmarks.engine_runs import decode_steps, trace
 from benchmarks.structured_cases import SCHEMAS
 
 ROOT = Path(__file__).resolve().parents[1]
-DECODE_SCHEMA = {"type": "array", "items": {"type": "string", "maxLength": 24}, "minItems": 100000}
+# constraints no run can complete, so EOS is never allowed and every request runs to max_tokens; the
+# counted repetitions (maxLength, {4096}) are what makes llguidance's mask expensive, unbounded strings
+# are cheap (benchmarks/reports/grammar_library_cpu.md)
+CONSTRAINTS = {
+    "json-array": {"type": "array", "items": {"type": "string", "maxLength": 24}, "minItems": 100000},
+    "json-free": {"type": "array", "items": {"type": "string"}, "minItems": 100000},
+    "regex": "[a-z ]{4096}",
+}
 SIZES = {"small": dict(prompt=16, gen=12, reps=1), "full": dict(prompt=128, gen=256, reps=2)}
 
 
@@ -74,16 +82,21 @@ def checkpoint(model: str, ckpt_dir: Path, tokenizer: Path | None) -> Path:
     return alt
 
 
-def params(mode: str, batch: int, gen: int) -> list:
-    from engine import SamplingParams
+def structured(name: str):
     from engine.sampling_params import StructuredOutput
 
-    constrained = SamplingParams(
-        max_tokens=gen, temperature=0.0, structured=StructuredOutput("json", DECODE_SCHEMA)
-    )
+    spec = CONSTRAINTS[name]
+    return StructuredOutput("regex" if isinstance(spec, str) else "json", spec)
+
+
+def params(mode: str, constraint: str | None, batch: int, gen: int) -> list:
+    """Greedy params for `batch` requests: mode none, half (every other request) or all constrained."""
+    from engine import SamplingParams
+
     free = SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True)
     if mode == "none":
         return [free] * batch
+    constrained = SamplingParams(max_tokens=gen, temperature=0.0, structured=structured(constraint))
     if mode == "all":
         return [constrained] * batch
     return [constrained if i % 2 == 0 else free for i in range(batch)]
@@ -98,21 +111,23 @@ def decode_run(engine, prompts: list[list[int]], sps: list, gen: int) -> float:
     return len(prompts) * len(dec) / sum(s.seconds for s in dec)
 
 
-def decode_table(llm, batches: list[int], size: dict) -> list[dict]:
+def decode_table(llm, batches: list[int], constraints: list[str], size: dict) -> list[dict]:
     import random
 
     rng, vocab, rows = random.Random(0), llm.engine.runner.model_config.vocab_size, []
+    configs = [("none", None)] + [(mode, c) for c in constraints for mode in ("half", "all")]
     for batch in batches:
-        for mode in ("none", "half", "all"):
-            sps = params(mode, batch, size["gen"])
-            decode_run(
-                llm.engine, random_prompts(rng, batch, size["prompt"], vocab), sps, size["gen"]
-            )  # warm-up
+        for mode, constraint in configs:
+            warm = min(size["gen"], 16)  # warm-up: the same shapes and constraint, fewer tokens
+            prompts = random_prompts(rng, batch, size["prompt"], vocab)
+            decode_run(llm.engine, prompts, params(mode, constraint, batch, warm), warm)
+            sps = params(mode, constraint, batch, size["gen"])
             runs = [
                 decode_run(llm.engine, random_prompts(rng, batch, size["prompt"], vocab), sps, size["gen"])
                 for _ in range(size["reps"])
             ]
-            rows.append({"batch": batch, "constrained": mode, "tok_s": statistics.median(runs), "runs": runs})
+            row = {"batch": batch, "constrained": mode, "constraint": constraint}
+            rows.append({**row, "tok_s": statistics.median(runs), "runs": runs})
             print(rows[-1], flush=True)
     return rows
 
@@ -147,13 +162,11 @@ def ttft(llm, size: dict) -> dict:
     import random
 
     from engine import SamplingParams
-    from engine.sampling_params import StructuredOutput
 
     engine, rng = llm.engine, random.Random(1)
     vocab = engine.runner.model_config.vocab_size
-    structured = StructuredOutput("json", DECODE_SCHEMA)
     out = {}
-    for label, so in (("unconstrained", None), ("constrained_cached", structured)):
+    for label, so in (("unconstrained", None), ("constrained_cached", structured("json-array"))):
         sp = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, structured=so)
         engine.add_request(random_prompts(rng, 1, size["prompt"], vocab)[0], sp)  # warm-up (and compile)
         while engine.has_unfinished():
@@ -182,14 +195,14 @@ def markdown(report: dict) -> str:
         f"hardware: {env['hardware'].get('gpu') or env['hardware']['cpu']}; versions: {env['versions']}",
         f"model: {report['model']} ({report['checkpoint']}); sizes: {report['sizes']}",
         "",
-        "| batch | constrained rows | decode tok/s | vs none |",
-        "|---|---|---|---|",
+        "| batch | constrained rows | constraint | decode tok/s | vs none |",
+        "|---|---|---|---|---|",
     ]
     base = {r["batch"]: r["tok_s"] for r in report["decode"] if r["constrained"] == "none"}
     for r in report["decode"]:
-        lines.append(
-            f"| {r['batch']} | {r['constrained']} | {r['tok_s']:,.1f} | {r['tok_s'] / base[r['batch']]:.1%} |"
-        )
+        ratio = r["tok_s"] / base[r["batch"]]
+        what = f"| {r['batch']} | {r['constrained']} | {r['constraint'] or ''} |"
+        lines.append(f"{what} {r['tok_s']:,.1f} | {ratio:.1%} |")
     c = report["compile"]
     lines += [
         "",
@@ -213,6 +226,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", choices=sorted(SIZES), default="full")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--ckpt-dir", type=Path, default=Path("/tmp/minserve_bench"))
+    ap.add_argument("--constraints", default=",".join(CONSTRAINTS), help=f"some of {', '.join(CONSTRAINTS)}")
     ap.add_argument("--tokenizer", type=Path, default=None, help="a tokenizer dir of the model's vocab size")
     args = ap.parse_args(argv)
     batches, size = [int(b) for b in args.batches.split(",")], SIZES[args.steps]
@@ -237,8 +251,8 @@ def main(argv: list[str] | None = None) -> None:
         "checkpoint": str(path),
         "sizes": size,
         "engine_options": opts,
-        "decode_schema": DECODE_SCHEMA,
-        "decode": decode_table(llm, batches, size),
+        "constraints": CONSTRAINTS,
+        "decode": decode_table(llm, batches, args.constraints.split(","), size),
         "compile": compile_times(llm),
         "ttft": ttft(llm, size),
     }
