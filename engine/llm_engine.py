@@ -60,14 +60,13 @@ class LLMEngine:
             self.max_model_len, mc.vocab_size, self.block_manager.num_blocks, self.block_manager.block_size,
             sc.max_num_seqs, sc.max_waiting,
         )  # fmt: skip
-        structured.warm_up(
-            self.tokenizer, self.limits.vocab_size
-        )  # llguidance's token trie, in the background
+        # llguidance's token trie, built in the background before the first structured request needs it
+        structured.warm_up(self.tokenizer, self.limits.vocab_size)
         self.requests: dict[str, Request] = {}
         self._failed: list[Request] = []
         self._touched: dict[str, Request] = {}  # requests with tokens not yet turned into outputs
         # launched, not yet completed; its draw is a DeferredSample only between _launch_ahead and the
-        # end of the same _step (grammar-constrained rows)
+        # end of the same _step (rows with a grammar or penalties: SchedulerOutput.draw_late)
         self._ahead: tuple[SchedulerOutput, PendingSample | None] | None = None
         self._ids = itertools.count()
         self.stats = {
@@ -103,10 +102,8 @@ class LLMEngine:
             raise InvalidRequestError(f"request_id: {request_id!r} is already in use", field="request_id")
         request = Request(request_id, ids, params, arrival_time or time.time())
         if params.structured is not None:  # compiled (and cached) by admission.check just above
-            prototype = structured.compiler_for(self.tokenizer, self.limits.vocab_size).prototype(
-                params.structured
-            )
-            request.seqs[0].grammar = GrammarState.start(prototype)
+            compiler = structured.compiler_for(self.tokenizer, self.limits.vocab_size)
+            request.seqs[0].grammar = GrammarState.start(compiler.prototype(params.structured))
         self.requests[request_id] = request
         self.scheduler.add(request)
         self.stats["prompt_tokens_total"] += len(ids)
@@ -196,8 +193,9 @@ class LLMEngine:
         return ahead, self._launch(ahead, pending)
 
     def _draw_deferred(self, ahead: tuple[SchedulerOutput, object] | None):
-        """A step launched ahead with grammar-constrained rows samples only now: `_complete` has just
-        advanced every matcher by the previous step's tokens. The device still runs its forward."""
+        """A step launched ahead whose draw reads host state (grammars, penalties) samples only now:
+        `_complete` has just appended the previous step's tokens and advanced every matcher by them.
+        The device still runs the step's forward meanwhile."""
         if ahead is None or not isinstance(ahead[1], DeferredSample):
             return ahead
         try:

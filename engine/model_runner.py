@@ -86,7 +86,7 @@ class ModelRunner:
     ) -> PendingSample | DeferredSample | None:
         """Enqueue the step on the device and return its samples (and prompt scores) unresolved (None:
         nothing samples or scores). A step scheduled ahead (out.prev_rows) takes its input ids from
-        `prev`'s sampled ids; if it has grammar-constrained rows, its draw is a DeferredSample."""
+        `prev`'s sampled ids; if its draw reads host state (out.draw_late), it is a DeferredSample."""
         self._copy_blocks(out.block_copies)
         batch = build_batch(out, self.block_size)
         hidden = self._forward(batch, self._fed_back(out, prev))
@@ -118,11 +118,9 @@ class ModelRunner:
         if not constrained:
             return self.sampler(logits, rows) if scores is None else self.sampler(logits, rows, scores)
         bitmask = self.bitmasks.fill([samplers[i].grammar for i in constrained])
-        index = (
-            None
-            if len(constrained) == len(rows)
-            else self.upload.values("mask_rows", constrained, torch.long)
-        )
+        index = None  # every row constrained: bitmask row i is sampling row i
+        if len(constrained) < len(rows):
+            index = self.upload.values("mask_rows", constrained, torch.long)
         return self.sampler(logits, rows, scores, TokenMask(bitmask, index))
 
     def _fed_back(self, out: SchedulerOutput, prev: PendingSample | None) -> torch.Tensor | None:
