@@ -109,20 +109,16 @@ def test_regexes_choices_and_lark_grammars(engine):
     check_outputs(cases, run(engine, reqs), min_stop=0.95)
 
 
-def mixed(vocab_prompt: str = PROMPT) -> list[tuple[str, SamplingParams]]:
+def mixed(prompt: str = PROMPT) -> list[tuple[str, SamplingParams]]:
     """Constrained (greedy and seeded) and unconstrained requests side by side."""
     reqs = []
     for i, schema in enumerate(SCHEMAS[:6]):
-        reqs.append((vocab_prompt, sampled(so("json", schema), seed=i, max_tokens=80)))
-    reqs.append(
-        (vocab_prompt, SamplingParams(max_tokens=30, temperature=0.0, structured=so("regex", REGEXES[0])))
-    )
-    reqs.append(
-        (vocab_prompt, SamplingParams(max_tokens=60, temperature=0.0, structured=so("json", SCHEMAS[0])))
-    )
+        reqs.append((prompt, sampled(so("json", schema), seed=i, max_tokens=80)))
+    reqs.append((prompt, SamplingParams(max_tokens=30, temperature=0.0, structured=so("regex", REGEXES[0]))))
+    reqs.append((prompt, SamplingParams(max_tokens=60, temperature=0.0, structured=so("json", SCHEMAS[0]))))
     for i in range(3):
-        reqs.append((vocab_prompt + " free", SamplingParams(max_tokens=25, temperature=1.0, seed=90 + i)))
-    reqs.append((vocab_prompt, SamplingParams(max_tokens=25, temperature=0.0, ignore_eos=True)))
+        reqs.append((prompt + " free", SamplingParams(max_tokens=25, temperature=1.0, seed=90 + i)))
+    reqs.append((prompt, SamplingParams(max_tokens=25, temperature=0.0, ignore_eos=True)))
     return reqs
 
 
