@@ -68,7 +68,8 @@ def make_tokenizers(out: Path) -> None:
 
     out.mkdir(parents=True, exist_ok=True)
     root = Path(__file__).resolve().parents[1]
-    shutil.copytree(root / "models" / "tiny-llama", out / "tiny", dirs_exist_ok=True)
+    if (root / "models" / "tiny-llama").is_dir():  # `make model`; absent on a bare GPU host
+        shutil.copytree(root / "models" / "tiny-llama", out / "tiny", dirs_exist_ok=True)
     (out / "llama128k-filler").mkdir(exist_ok=True)
     write_tokenizer("llama", 128256, out / "llama128k-filler", "", 8192)
     paths = sysconfig.get_paths()
