@@ -44,9 +44,12 @@ def tokenize(tokenizer, prompt: Prompt, vocab_size: int) -> list[int]:
     return list(prompt)
 
 
-def check(ids: list[int], params: SamplingParams, limits: Limits) -> None:
+def check(ids: list[int], params: SamplingParams, limits: Limits, tokenizer=None) -> None:
     """Raise if the request could never run: empty, longer than the context or the KV pool, n too big,
-    or a logit_bias token outside the vocabulary."""
+    a logit_bias token outside the vocabulary, or a structured-output constraint that does not compile
+    for `tokenizer` (the engine's Tokenizer; compiled once and cached, engine/structured.py)."""
+    if params.structured is not None:
+        _check_structured(params, limits, tokenizer)
     if not ids:
         raise InvalidRequestError("prompt: must not be empty", field="prompt")
     if params.logit_bias is not None:
@@ -73,3 +76,20 @@ def check(ids: list[int], params: SamplingParams, limits: Limits) -> None:
         raise InvalidRequestError(
             f"n: {params.n} samples exceed max_num_seqs ({limits.max_num_seqs})", field="n"
         )
+
+
+def _check_structured(params: SamplingParams, limits: Limits, tokenizer) -> None:
+    from engine import structured  # llguidance is loaded only once a request asks for a grammar
+
+    so = params.structured
+    name = getattr(so, "field", "structured_outputs")
+    if params.tool is not None or params.budget_forcing is not None:
+        raise InvalidRequestError(
+            f"{name}: structured output cannot be combined with tool calls or budget forcing "
+            "(their forced tokens would bypass the grammar); drop one of them",
+            field=name,
+        )
+    if tokenizer is None:
+        structured.canonical(so)  # the spec's shape only; the engine compiles it when it adds the request
+        return
+    structured.check(so, tokenizer, limits.vocab_size)

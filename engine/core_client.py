@@ -35,7 +35,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from engine import admission
+from engine import admission, structured
 from engine.admission import Prompt
 from engine.config import EngineConfig
 from engine.core_messages import Abort, Add, Command, Dead, Failed, Idle, Shutdown, Start, Step, StopSample
@@ -71,6 +71,7 @@ class CoreClient:
         self.proc, self._conn = self._start(config, null_step_ms)
         self.limits: admission.Limits = self._conn.recv_ready()
         self.max_model_len = self.limits.max_model_len
+        structured.warm_up(self.tokenizer, self.limits.vocab_size)  # admission compiles constraints here too
         threading.Thread(target=self._read, name="core-reader", daemon=True).start()
 
     # ------------------------------------------------------------------ starting the core
@@ -118,7 +119,7 @@ class CoreClient:
         if not self.is_alive():
             raise EngineDeadError(f"the engine core is not running ({self.death or 'exited'})")
         ids = admission.tokenize(self.tokenizer, prompt, self.limits.vocab_size)
-        admission.check(ids, params, self.limits)
+        admission.check(ids, params, self.limits, self.tokenizer)
         arrival = arrival_time or time.time()
         with self._lock:
             if len(self._live) >= self.limits.max_num_seqs + self.limits.max_waiting:

@@ -17,14 +17,15 @@ import logging
 import time
 from collections.abc import Callable
 
-from engine import admission
+from engine import admission, structured
 from engine.admission import Prompt
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.core_messages import Record
 from engine.errors import InvalidRequestError, QueueFullError
 from engine.faults import FaultInjector
-from engine.model_runner import ModelRunner
+from engine.grammar_state import GrammarState
+from engine.model_runner import DeferredSample, ModelRunner
 from engine.output_processor import OutputProcessor, PromptLogprobs
 from engine.outputs import CompletionDelta, RequestOutput
 from engine.request import Request
@@ -59,10 +60,14 @@ class LLMEngine:
             self.max_model_len, mc.vocab_size, self.block_manager.num_blocks, self.block_manager.block_size,
             sc.max_num_seqs, sc.max_waiting,
         )  # fmt: skip
+        # llguidance's token trie, built in the background before the first structured request needs it
+        structured.warm_up(self.tokenizer, self.limits.vocab_size)
         self.requests: dict[str, Request] = {}
         self._failed: list[Request] = []
         self._touched: dict[str, Request] = {}  # requests with tokens not yet turned into outputs
-        self._ahead: tuple[SchedulerOutput, PendingSample | None] | None = None  # launched, not yet run
+        # launched, not yet completed; its draw is a DeferredSample only between _launch_ahead and the
+        # end of the same _step (rows with a grammar or penalties: SchedulerOutput.draw_late)
+        self._ahead: tuple[SchedulerOutput, PendingSample | None] | None = None
         self._ids = itertools.count()
         self.stats = {
             "num_aborts": 0,
@@ -89,13 +94,16 @@ class LLMEngine:
     ) -> str:
         params = params or SamplingParams()
         ids = self.tokenize(prompt)
-        admission.check(ids, params, self.limits)
+        admission.check(ids, params, self.limits, self.tokenizer)
         if len(self.scheduler.waiting) >= self.config.scheduler.max_waiting:
             raise QueueFullError("the engine queue is full: retry later")
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise InvalidRequestError(f"request_id: {request_id!r} is already in use", field="request_id")
         request = Request(request_id, ids, params, arrival_time or time.time())
+        if params.structured is not None:  # compiled (and cached) by admission.check just above
+            compiler = structured.compiler_for(self.tokenizer, self.limits.vocab_size)
+            request.seqs[0].grammar = GrammarState.start(compiler.prototype(params.structured))
         self.requests[request_id] = request
         self.scheduler.add(request)
         self.stats["prompt_tokens_total"] += len(ids)
@@ -160,9 +168,10 @@ class LLMEngine:
         if self._ahead is not None and not self.scheduler.running:
             self._ahead = None  # every sequence in it has finished since: nothing to wait for
         out, pending = self._ahead or self._schedule_and_launch()
-        self._ahead = self._launch_ahead(out, pending)
+        ahead = self._launch_ahead(out, pending)
         outputs = emit() if emit_first else []
         self._complete(out, pending)
+        self._ahead = self._draw_deferred(ahead)
         if not emit_first:
             outputs = emit()
         failed, self._failed = self._failed, []  # each failed request gets one final output
@@ -182,6 +191,18 @@ class LLMEngine:
         if ahead is None:
             return None
         return ahead, self._launch(ahead, pending)
+
+    def _draw_deferred(self, ahead: tuple[SchedulerOutput, object] | None):
+        """A step launched ahead whose draw reads host state (grammars, penalties) samples only now:
+        `_complete` has just appended the previous step's tokens and advanced every matcher by them.
+        The device still runs the step's forward meanwhile."""
+        if ahead is None or not isinstance(ahead[1], DeferredSample):
+            return ahead
+        try:
+            return ahead[0], ahead[1].finish()
+        except Exception as exc:
+            self._fail_chunks(ahead[0], exc)
+            return ahead[0], None
 
     def _launch(self, out: SchedulerOutput, prev: PendingSample | None = None) -> PendingSample | None:
         now = time.time()

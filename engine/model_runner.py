@@ -9,20 +9,33 @@ such a chunk does no extra work.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 
 from engine.attention_context import AttentionMetadata, attention_context
 from engine.config import EngineConfig
 from engine.cuda_graph import DecodeGraphs
 from engine.device import resolve_device_dtype
+from engine.grammar_state import BitmaskFiller
 from engine.kv_cache import KVCacheSpec, allocate_kv_cache, kv_cache_dtype, plan_kv_cache
 from engine.loader import load_model
 from engine.models.layers import Attention
 from engine.request import Sequence
-from engine.sampler import PendingSample, Sampler, SamplingRow, stream_key
+from engine.sampler import PendingSample, Sampler, SamplingRow, TokenMask, stream_key
 from engine.scheduler import SchedulerOutput
 from engine.step_inputs import StepBatch, build_batch, pack, prompt_logprob_rows, table_width, unpack
 from engine.uploader import Uploader
+
+
+class DeferredSample:
+    """The draw of a step launched ahead whose rows read host state (grammar matchers, penalties' token
+    history; SchedulerOutput.draw_late): forward and logits are enqueued; `finish()` fills the masks and
+    enqueues the sampling once the engine has appended the previous step's tokens."""
+
+    def __init__(self, draw: Callable[[], PendingSample]):
+        self.finish = draw
 
 
 class ModelRunner:
@@ -48,6 +61,7 @@ class ModelRunner:
         for layer, (k_cache, v_cache) in zip(attn_layers, self.kv_caches, strict=True):
             layer.k_cache, layer.v_cache = k_cache, v_cache
         self.sampler = Sampler(self.model_config.vocab_size, self.device)
+        self.bitmasks = BitmaskFiller(self.model_config.vocab_size, self.device)
         self._no_samples = torch.empty(0, dtype=torch.long, device=self.device)  # a step that only scores
         self.upload = Uploader(self.device)
         # unseeded sequences draw from stream (base, seq_id); the base follows load.seed (set above)
@@ -67,10 +81,12 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, prev: PendingSample | None = None) -> PendingSample | None:
+    def execute(
+        self, out: SchedulerOutput, prev: PendingSample | None = None
+    ) -> PendingSample | DeferredSample | None:
         """Enqueue the step on the device and return its samples (and prompt scores) unresolved (None:
         nothing samples or scores). A step scheduled ahead (out.prev_rows) takes its input ids from
-        `prev`'s sampled ids."""
+        `prev`'s sampled ids; if its draw reads host state (out.draw_late), it is a DeferredSample."""
         self._copy_blocks(out.block_copies)
         batch = build_batch(out, self.block_size)
         hidden = self._forward(batch, self._fed_back(out, prev))
@@ -86,7 +102,26 @@ class ModelRunner:
         if batch.sample_rows != list(range(len(batch.logit_rows))):  # n > 1 siblings share a row
             logits = logits.index_select(0, self.upload.values("sample_rows", batch.sample_rows, torch.long))
         rows = [self._sampling_row(s, p) for s, p in zip(batch.samplers, batch.draw_positions, strict=True)]
-        return self.sampler(logits, rows) if scores is None else self.sampler(logits, rows, scores)
+        constrained = [i for i, s in enumerate(batch.samplers) if s.grammar is not None]
+        if out.draw_late:
+            # launched ahead: the host has not appended the previous step's tokens, which the grammars
+            # and penalties read; the engine draws once it has, while the device runs this forward
+            return DeferredSample(
+                functools.partial(self._draw, logits, rows, scores, batch.samplers, constrained)
+            )
+        return self._draw(logits, rows, scores, batch.samplers, constrained)
+
+    @torch.inference_mode()
+    def _draw(self, logits, rows, scores, samplers, constrained: list[int]) -> PendingSample:
+        """Sample; with constrained rows, first fill their bitmask on the host (the forward is already
+        enqueued, so on a GPU this overlaps it) and upload it."""
+        if not constrained:
+            return self.sampler(logits, rows) if scores is None else self.sampler(logits, rows, scores)
+        bitmask = self.bitmasks.fill([samplers[i].grammar for i in constrained])
+        index = None  # every row constrained: bitmask row i is sampling row i
+        if len(constrained) < len(rows):
+            index = self.upload.values("mask_rows", constrained, torch.long)
+        return self.sampler(logits, rows, scores, TokenMask(bitmask, index))
 
     def _fed_back(self, out: SchedulerOutput, prev: PendingSample | None) -> torch.Tensor | None:
         """The input ids of a step scheduled ahead: rows of the previous step's samples, on the device."""

@@ -4,7 +4,7 @@ Token-level work (`append`, between two steps unless the next one was launched a
   1. budget forcing: a sampled suppress token before the budget is spent becomes a replacement string;
   2. the calculator tool: a sampled python-end marker evaluates the expression since the last
      python-start marker and forces "<output_start> result <output_end>" into this sequence only;
-  3. stop token ids / EOS, max_tokens and max_model_len;
+  3. stop token ids / EOS, a completed grammar (structured output), max_tokens and max_model_len;
 Text-level work (`detokenize`, deferred until the next step is running on the GPU):
   4. incremental detokenisation and stop strings (engine/text_output.TextStream).
 An engine built with detokenize=False (the server's engine core) skips step 4: its caller does it.
@@ -69,6 +69,11 @@ class OutputProcessor:
         ):
             reason = "stop"
             st.ends_with_stop_token = True  # a stop token / EOS is never part of the text
+        if seq.grammar is not None and seq.grammar.advance(token):  # never forced: admission refuses both
+            # the grammar is complete (it took EOS, or nothing can extend the text): the sample ends,
+            # ignore_eos or not; an EOS it took is not text
+            reason = "stop"
+            st.ends_with_stop_token = st.ends_with_stop_token or token in self.eos_token_ids
         over = seq.num_output - params.max_tokens
         if over >= 0:
             if over > 0:  # forced tokens overshot the budget, or max_tokens is 0: keep exactly max_tokens

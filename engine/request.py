@@ -17,7 +17,7 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from engine.block_manager import BlockTable
 from engine.outputs import RequestMetrics, TokenLogprob
@@ -63,6 +63,9 @@ class Sequence:
     finish_reason: str | None = None
     error: str | None = None
     state: SampleState = field(default_factory=SampleState)  # a forked sample starts with its own
+    # engine.grammar_state.GrammarState of a structured-output request (None: unconstrained); its
+    # matcher has consumed exactly this sequence's sampled output tokens
+    grammar: Any = None
     num_prompt: int = field(init=False)  # a plain attribute: read for every token on the hot path
 
     def __post_init__(self) -> None:

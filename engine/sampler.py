@@ -7,8 +7,9 @@ noise is a function of (key, counter) only, where the key names the sequence's s
 request's seed and sample index, or from the engine's base key and the sequence id when unseeded) and
 the counter is the position of the token being drawn. So a seeded sample does not depend on its batch
 neighbours, and a sequence recomputed after preemption draws the same tokens again.
-Logits processors (logit_bias, penalties; structured output, budget forcing on the device) plug in
-before `_filter`; only the rows that ask pay for them.
+Logits processors (logit_bias, penalties, then the grammar mask of structured output) plug in before
+`_filter`; only the rows that ask pay for them, and a step without a constrained row never looks for
+a mask (the runner passes none).
 Prompt logprobs (`score_prompt`) are log_softmax over the logits of every position of a prompt chunk,
 computed only for the chunks of requests that ask (engine/step_inputs.prompt_logprob_rows).
 """
@@ -40,6 +41,15 @@ class SamplingRow:
     @property
     def output_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt :]
+
+
+@dataclass
+class TokenMask:
+    """The allowed tokens of a step's constrained rows, on the device (engine/grammar_state.py):
+    bitmask row i applies to sampling row rows[i] (rows None: to row i, every row constrained)."""
+
+    bitmask: torch.Tensor  # [R, ceil(V / 32)] int32
+    rows: torch.Tensor | None  # [R] int64
 
 
 @dataclass
@@ -130,10 +140,19 @@ class Sampler:
         return self.upload.values(slot, values, dtype)  # one pinned buffer per named slot
 
     def __call__(
-        self, logits: torch.Tensor, rows: list[SamplingRow], prompt: PromptScores | None = None
+        self,
+        logits: torch.Tensor,
+        rows: list[SamplingRow],
+        prompt: PromptScores | None = None,
+        mask: TokenMask | None = None,
     ) -> PendingSample:
+        """Sample one token per row. `logits` belongs to the sampler (a grammar mask writes into it)."""
         wants_logprobs = _wants_logprobs(rows)
-        if not wants_logprobs and all(r.params.greedy and _no_processor(r.params) for r in rows):
+        if (
+            mask is None
+            and not wants_logprobs
+            and all(r.params.greedy and _no_processor(r.params) for r in rows)
+        ):
             # The common benchmark case: one argmax, on the model's dtype (widening is exact: same ids).
             return PendingSample(ops.argmax(logits), None, rows, prompt)
         # reported logprobs are the model's own distribution, before logit_bias and penalties (vLLM's
@@ -141,6 +160,8 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits.float(), dim=-1) if wants_logprobs else None
         if not all(_no_processor(r.params) for r in rows):
             logits = self._apply_processors(logits.float(), rows)
+        if mask is not None:  # after logit_bias and penalties, before the filters and the draw
+            ops.apply_token_bitmask(logits, mask.bitmask, mask.rows)
         if all(r.params.greedy for r in rows):
             return PendingSample(ops.argmax(logits), raw_logprobs, rows, prompt)
         temperature = [r.params.temperature for r in rows]  # 0 for greedy rows: the plain argmax

@@ -44,6 +44,18 @@ class BudgetForcing:
         _check(self.min_tokens >= 0, "budget_forcing.min_tokens", "must be >= 0")
 
 
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on the generated text."""
+
+    # "json" (spec: a JSON schema, dict or JSON string), "json_object" (spec None: any JSON object),
+    # "regex" (spec: str), "choice" (spec: list[str]), "grammar" (spec: str, Lark syntax as llguidance
+    # takes it). Checked and compiled by engine/structured.py (from engine.admission.check).
+    kind: str
+    spec: object = None
+    field: str = "structured_outputs"  # the API field errors are reported against
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -67,6 +79,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     tool: ToolConfig | None = None
     budget_forcing: BudgetForcing | None = None
+    # grammar-constrained decoding (engine/structured.py, engine/grammar_state.py); None: free text
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -124,15 +138,16 @@ class SamplingParams:
     @property
     def needs_host_tokens(self) -> bool:
         """True when the next step's input depends on host-side token work: forced tokens (tool, budget
-        forcing) replace or follow the sampled one, and penalties read the whole token history. Such
-        sequences never run a step ahead of their sampled tokens."""
-        return (
-            self.tool is not None
-            or self.budget_forcing is not None
-            or self.repetition_penalty != 1.0
-            or self.presence_penalty != 0.0
-            or self.frequency_penalty != 0.0
-        )
+        forcing) replace or follow the sampled one. Such sequences never run a step ahead of their
+        sampled tokens."""
+        return self.tool is not None or self.budget_forcing is not None
+
+    @property
+    def draws_from_history(self) -> bool:
+        """True when the draw reads the host's token history (penalties; a grammar reads its matcher):
+        in a step launched ahead, such a row draws only once the previous step's tokens are appended
+        (engine/model_runner.DeferredSample)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
 def _logit_bias(bias: dict | None) -> dict[int, float] | None:

@@ -43,6 +43,9 @@ class SchedulerOutput:
     # indexes into `chunks` of prompt chunks whose logits at every position are wanted (a request with
     # SamplingParams.prompt_logprobs whose prompt has not been scored yet); empty in almost every step
     prompt_logprob_chunks: list[int] = field(default_factory=list)
+    # a step scheduled ahead with a row whose draw reads host state the previous step's tokens change
+    # (a grammar matcher, penalties' token history): its draw waits for them (DeferredSample)
+    draw_late: bool = False
 
     @property
     def num_batched_tokens(self) -> int:
@@ -155,6 +158,8 @@ class Scheduler:
         for i in range(1, request.params.n):
             child = Sequence(request, i, list(seq.token_ids), num_computed=seq.num_computed)
             child.table = self.bm.fork(seq.table)
+            if seq.grammar is not None:  # a copy of the parent's matcher (no output consumed yet)
+                child.grammar = seq.grammar.fork()
             child.status = SeqStatus.RUNNING
             children.append(child)
         request.seqs.extend(children)
@@ -168,7 +173,8 @@ class Scheduler:
         tokens [0, start] and `prev` samples the token at start + 1, which this step feeds back. Only
         pure decode steps qualify; sequences that `prev` surely finishes (length limits) or whose next
         input depends on host work are left out. None when a normal schedule() should run instead:
-        someone is waiting for admission, or the pool cannot give every sequence its next slot.
+        someone is waiting for admission, a live sequence needs host tokens (it would starve), or the
+        pool cannot give every sequence its next slot.
         """
         if not self.config.async_scheduling or not (prev.prev_rows is not None or self._is_decode(prev)):
             return None
@@ -179,12 +185,18 @@ class Scheduler:
         for row, chunk in enumerate(prev.chunks):
             seq, pos = chunk.seq, chunk.start + 1  # the position the fed-back token will occupy
             params = seq.request.params
-            if seq.status is not SeqStatus.RUNNING or params.needs_host_tokens:
+            if seq.status is not SeqStatus.RUNNING:
                 continue
+            if params.needs_host_tokens:
+                # it cannot run ahead; left out, it would wait until every other sequence ends (each
+                # step ahead is followed by another without it): a normal schedule takes everyone
+                return None
             # after `prev` the sequence holds pos + 1 tokens, pos + 1 - num_prompt of them output
             if pos + 1 - seq.num_prompt >= params.max_tokens or pos + 1 >= self.max_model_len:
                 continue  # `prev` ends it by length
             need += self.bm.blocks_needed(seq.table, pos + 1)
+            if seq.grammar is not None or params.draws_from_history:
+                out.draw_late = True
             out.chunks.append(ScheduledChunk(seq, pos, 1, [seq]))
             out.prev_rows.append(row)
         if not out.chunks or need > self.bm.num_free:

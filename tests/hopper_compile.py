@@ -76,7 +76,14 @@ def _norms_and_activations() -> list:
         triton_act.silu_and_mul(torch.randn(4, 2 * 14336, **BF16))
         triton_act.gelu_tanh_and_mul(torch.randn(4, 2 * 14336, **BF16))
     triton_argmax.argmax(torch.randn(2, 128256, **BF16))
-    return [triton_norm._rms_norm_kernel, triton_act._gated_kernel, triton_argmax._argmax_kernel]
+    from kernels import triton_bitmask
+
+    for vocab in (128256, 151936):  # the grammar mask: every row, and some rows by index
+        mask = torch.zeros(3, (vocab + 31) // 32, dtype=torch.int32)
+        triton_bitmask.apply_token_bitmask(torch.randn(4, vocab, **BF16), mask, None)
+        triton_bitmask.apply_token_bitmask(torch.randn(4, vocab, **BF16), mask, torch.tensor([0, 2, 3]))
+    kernels = [triton_norm._rms_norm_kernel, triton_act._gated_kernel, triton_argmax._argmax_kernel]
+    return kernels + [triton_bitmask._bitmask_kernel]
 
 
 def _attention_and_cache(hq: int, hk: int, d: int, window: int | None, cap: float | None) -> None:

@@ -165,3 +165,26 @@ def test_async_scheduling_on_the_gpu_with_cuda_graphs(tiny_model_dir, reference)
     )
     assert mismatches <= 1, f"{mismatches} of {len(reqs)} sequences differ from the fp64 reference"
     assert len(ahead) > 10
+
+
+@pytest.mark.parametrize("kind", ["penalty", "budget_forcing"])
+def test_host_token_requests_do_not_starve_next_to_requests_run_ahead(tiny_model_dir, kind):
+    """A penalty row runs ahead with a late draw; a budget-forcing one never runs ahead (its next input
+    may be forced). Either must progress every step, not wait until the sequences that run ahead end."""
+    from engine.sampling_params import BudgetForcing
+
+    eng = make_engine(tiny_model_dir)
+    plain = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    extra = dict(repetition_penalty=1.3) if kind == "penalty" else dict(budget_forcing=BudgetForcing())
+    slow = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, **extra)
+    for i in range(3):
+        eng.add_request(list(range(5 + i, 20 + i)), plain, request_id=f"plain{i}")
+    eng.add_request(list(range(30, 45)), slow, request_id="slow")
+    ahead = count_ahead(eng)
+    steps, finished_at = 0, {}
+    while eng.has_unfinished():
+        steps += 1
+        finished_at.update({o.request_id: steps for o in eng.step() if o.finished})
+    assert finished_at["slow"] <= 13, finished_at  # 1 prefill + 10 tokens (+ outputs trail a step)
+    assert all(finished_at[f"plain{i}"] <= 63 for i in range(3)), finished_at
+    assert len(ahead) > 30, "the plain requests (with the penalty one) run ahead"

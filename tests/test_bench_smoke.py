@@ -88,3 +88,30 @@ def test_decode_profile_splits_a_step_into_kernels_and_gaps():
     md = to_markdown("m", 2, 8, s, 10**9)
     assert "(graph + logits + argmax, no host): 45 us;" in md and "(noise near zero): +15 us." in md
     assert s["kinds"][1]["calls"] == 1.0 and s["kinds"][1]["us"] == 8.5
+
+
+def test_structured_bench_smoke(tmp_path):
+    """benchmarks/structured_bench.py end to end on the tiny model (CPU): every table it reports."""
+    from benchmarks.structured_bench import main
+
+    out = tmp_path / "out"
+    main(
+        [
+            "--model",
+            "tiny",
+            "--batches",
+            "1,4",
+            "--steps",
+            "small",
+            "--out",
+            str(out),
+            "--ckpt-dir",
+            str(tmp_path),
+        ]
+    )
+    data = json.loads((out / "structured_bench.json").read_text())
+    modes = {(r["batch"], r["constrained"]) for r in data["decode"] if r["tok_s"] > 0}
+    assert modes == {(b, m) for b in (1, 4) for m in ("none", "half", "all")}
+    assert len(data["compile"]["cold"]["ms_each"]) == 20 and data["compile"]["cached"]["ms_total"] >= 0
+    assert data["ttft"]["constrained_cached"]["ms_median"] > 0
+    assert "| 4 | all |" in (out / "structured_bench.md").read_text()

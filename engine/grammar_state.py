@@ -1,0 +1,104 @@
+"""Per-sequence grammar state and the per-step token bitmask of every constrained row.
+
+GrammarState wraps one llguidance matcher. Invariant: the matcher has consumed exactly the sequence's
+sampled output tokens, in order (`num_consumed` of them), so after preemption (recompute keeps the
+tokens) or a prefix-cache hit nothing needs replaying. `fork` copies the state for an n > 1 sibling,
+`rollback(n)` undoes the last n tokens (for speculative decoding).
+
+BitmaskFiller fills one int32 row per constrained sampling row (bit t of the row allows token t) into
+pinned host memory, all rows in one llguidance call that runs on its thread pool without the GIL, and
+uploads it asynchronously. It runs after the step's forward pass was enqueued, so on a GPU the host
+work overlaps the forward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class GrammarError(RuntimeError):
+    """The matcher refused a token (a bug, since the mask allows only tokens it accepts)."""
+
+
+class GrammarState:
+    __slots__ = ("matcher", "num_consumed")
+
+    def __init__(self, matcher, num_consumed: int = 0):
+        self.matcher = matcher  # an llguidance.LLMatcher owned by this sequence alone
+        self.num_consumed = num_consumed
+
+    @classmethod
+    def start(cls, prototype) -> GrammarState:
+        """A fresh state from a compiled prototype (engine/structured.GrammarCompiler.prototype)."""
+        return cls(prototype.deep_copy())
+
+    def advance(self, token: int) -> bool:
+        """Consume one sampled token; True when the grammar is complete (only EOS could follow)."""
+        if not self.matcher.consume_token(token):
+            raise GrammarError(f"the grammar refused token {token}: {self.matcher.get_error()}")
+        self.num_consumed += 1
+        return self.matcher.is_stopped()
+
+    @property
+    def finished(self) -> bool:
+        return self.matcher.is_stopped()
+
+    def rollback(self, n: int) -> None:
+        """Undo the last n consumed tokens (n <= num_consumed)."""
+        if not 0 <= n <= self.num_consumed:
+            raise ValueError(f"cannot roll back {n} of {self.num_consumed} tokens")
+        if n and not self.matcher.rollback(n):
+            raise GrammarError(f"rollback of {n} tokens failed: {self.matcher.get_error()}")
+        self.num_consumed -= n
+
+    def fork(self) -> GrammarState:
+        return GrammarState(self.matcher.deep_copy(), self.num_consumed)
+
+
+class BitmaskFiller:
+    """Fills and uploads the token bitmask of one step's constrained rows."""
+
+    BUFFERS = 2  # a step launched ahead may still read the previous step's buffer: alternate
+
+    def __init__(self, vocab_size: int, device: torch.device):
+        self.words = (vocab_size + 31) // 32
+        self.device = device
+        self._pin = device.type == "cuda"
+        self._buffers: list[tuple[torch.Tensor, torch.cuda.Event | None] | None] = [None] * self.BUFFERS
+        self._turn = 0
+        self._executor = None
+
+    def _buffer(self, rows: int) -> torch.Tensor:
+        self._turn = (self._turn + 1) % self.BUFFERS
+        entry = self._buffers[self._turn]
+        if entry is None or entry[0].shape[0] < rows:
+            size = max(rows, 2 * entry[0].shape[0] if entry else 8)
+            buf = torch.empty(size, self.words, dtype=torch.int32, pin_memory=self._pin)
+            self._buffers[self._turn] = (buf, None)
+            return buf[:rows]
+        buf, event = entry
+        if event is not None:
+            event.synchronize()  # its last upload has left (normally long ago)
+        return buf[:rows]
+
+    def fill(self, states: list[GrammarState]) -> torch.Tensor:
+        """The bitmask [len(states), words] on the device (int32, bit t of word t // 32 allows t)."""
+        import llguidance
+        import llguidance.torch as llt
+
+        host = self._buffer(len(states))
+        if len(states) == 1:
+            llt.fill_next_token_bitmask(states[0].matcher, host, 0)
+        else:
+            if self._executor is None:
+                self._executor = llguidance.LLExecutor()
+            llt.fill_next_token_bitmask_par(
+                self._executor, [(s.matcher, i) for i, s in enumerate(states)], host
+            )
+        if self.device.type != "cuda":
+            return host.clone()  # the buffer is refilled next step while a CPU caller may keep this
+        out = host.to(self.device, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._buffers[self._turn] = (self._buffers[self._turn][0], event)
+        return out
