@@ -44,6 +44,15 @@ class BudgetForcing:
         _check(self.min_tokens >= 0, "budget_forcing.min_tokens", "must be >= 0")
 
 
+@dataclass(frozen=True)
+class StructuredOutput:
+    # "json" (spec: JSON schema dict or str), "json_object" (spec None), "regex" (str),
+    # "choice" (list[str]), "grammar" (Lark str)
+    kind: str
+    spec: object = None
+    field: str = "structured_outputs"  # the API field errors name, e.g. "response_format.json_schema.schema"
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -67,6 +76,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     tool: ToolConfig | None = None
     budget_forcing: BudgetForcing | None = None
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
