@@ -17,8 +17,8 @@ import json
 import time
 
 from app import logprob_shapes as shapes
+from app.chat_output import ChoiceText
 from app.errors import ApiError
-from app.reasoning import ThinkSplitter
 from app.responses import (
     ChatChoice,
     ChatChunkChoice,
@@ -30,8 +30,11 @@ from app.responses import (
     CompletionLogprobs,
     CompletionResponse,
     PromptTokensDetails,
+    ToolCallDelta,
+    ToolCallOut,
     UsageInfo,
 )
+from app.tool_calls import ToolCall, ToolParsing
 
 DONE = "data: [DONE]\n\n"
 
@@ -63,7 +66,8 @@ class ResponseAssembler:
     """State of one HTTP response: usage per prompt, text offsets, and (non-streaming) accumulated text.
 
     echo / logprobs / prompt_logprobs: what the request asked for; reasoning: "split", "drop" or "off"
-    (app/protocol.ChatCompletionRequest.reasoning); `set_prompt` gives each prompt's accepted facts."""
+    (app/protocol.ChatCompletionRequest.reasoning); tools: what tool calls to look for in chat answers
+    (app/tool_calls.py); `set_prompt` gives each prompt's accepted facts."""
 
     def __init__(
         self,
@@ -78,10 +82,11 @@ class ResponseAssembler:
         prompt_logprobs: bool = False,
         continuous_usage: bool = False,
         reasoning: str = "off",
+        tools: ToolParsing | None = None,
     ):
         self.chat, self.id, self.model, self.n = chat, request_id, model, n
         self.echo, self.logprobs, self.prompt_logprobs = echo, logprobs, prompt_logprobs
-        self.continuous_usage, self.reasoning = continuous_usage, reasoning
+        self.continuous_usage, self.reasoning, self.tools = continuous_usage, reasoning, tools
         self.created = int(time.time())
         size = n * num_prompts
         self._usage: dict[int, tuple[int, int, int]] = {}  # prompt index -> (prompt, completion, cached)
@@ -93,13 +98,18 @@ class ResponseAssembler:
         self._facts: list[dict] = [{} for _ in range(num_prompts)]  # accepted item per prompt
         self._prompt_lp: list[list | None] = [None] * num_prompts  # the item's prompt logprobs
         self._prompt_sent = [not (echo or prompt_logprobs)] * num_prompts
-        self._split = [ThinkSplitter() for _ in range(size)] if reasoning != "off" else None
+        self._calls: list[list[ToolCall]] = [[] for _ in range(size)]
+        self._choice = [self._choice_text() for _ in range(size)]
+
+    def _choice_text(self, starts_in_think: bool = False) -> ChoiceText:
+        tools = self.tools.stream() if self.tools is not None and self.chat else None
+        return ChoiceText(self.reasoning, tools, starts_in_think)
 
     def set_prompt(self, prompt_index: int, facts: dict) -> None:
         self._facts[prompt_index] = facts
-        if self._split is not None and facts.get("starts_in_think"):
+        if facts.get("starts_in_think"):
             for i in range(prompt_index * self.n, (prompt_index + 1) * self.n):
-                self._split[i] = ThinkSplitter(starts_in_think=True)
+                self._choice[i] = self._choice_text(starts_in_think=True)
         if self.echo:  # generated tokens' offsets count on after the echoed prompt
             offset = len(self._echo_text(prompt_index))
             for i in range(prompt_index * self.n, (prompt_index + 1) * self.n):
@@ -123,16 +133,6 @@ class ResponseAssembler:
             total_tokens=p + c,
             prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
         )
-
-    def _split_text(self, index: int, text: str, finished: bool) -> tuple[str, str]:
-        """(reasoning, content) of a piece of choice `index`'s text."""
-        if self._split is None:
-            return "", text
-        reasoning, content = self._split[index].feed(text)
-        if finished:
-            r, c = self._split[index].finish()
-            reasoning, content = reasoning + r, content + c
-        return ("" if self.reasoning == "drop" else reasoning), content
 
     def _prompt_parts(self, prompt_index: int) -> tuple[str, CompletionLogprobs | None, list | None]:
         """(echo text, its legacy logprobs, vLLM prompt_logprobs) of one prompt, as the request asked."""
@@ -168,25 +168,7 @@ class ResponseAssembler:
             events = self._prompt_chunk(prompt_index, usage)
         samples = [s for s in item["outputs"] if s["text"] or s["finish_reason"] or s["logprobs"]]
         if self.chat:
-            choices = []
-            for s in samples:
-                index = prompt_index * self.n + s["index"]
-                reasoning, content = self._split_text(index, s["text"], s["finish_reason"] is not None)
-                if self._split is not None and not (
-                    reasoning or content or s["finish_reason"] or s["logprobs"]
-                ):
-                    continue  # all held back (a possible partial tag)
-                delta = ChatDelta(content=content, reasoning_content=reasoning or None)
-                if self._split is not None and not content:
-                    delta.content = None
-                choices.append(
-                    ChatChunkChoice(
-                        index=index,
-                        delta=delta,
-                        logprobs=shapes.chat_logprobs(s["logprobs"]) if s["logprobs"] else None,
-                        finish_reason=s["finish_reason"],
-                    )
-                )
+            choices = [c for c in (self._chat_choice(prompt_index, s) for s in samples) if c is not None]
             return (events + self._chat_chunk(choices, usage)) if choices else (events or None)
         choices = []
         for s in samples:
@@ -200,6 +182,28 @@ class ResponseAssembler:
         if not choices:
             return events or None
         return events + self._completion_chunk(choices, usage)
+
+    def _chat_choice(self, prompt_index: int, s: dict) -> ChatChunkChoice | None:
+        """One sample's piece of a chat chunk; None when all of it is held back."""
+        index = prompt_index * self.n + s["index"]
+        pipe = self._choice[index]
+        reasoning, content, calls = pipe.feed(s["text"], s["finish_reason"] is not None)
+        if pipe.holds_back and not (reasoning or content or calls or s["finish_reason"] or s["logprobs"]):
+            return None  # all held back (a possible partial tag or tool call)
+        # content is always set unless text can be held back (as before the split and tool calls existed)
+        delta = ChatDelta(
+            content=content or None if pipe.holds_back else content, reasoning_content=reasoning or None
+        )
+        if calls:
+            first = len(self._calls[index])
+            self._calls[index] += calls
+            delta.tool_calls = [ToolCallDelta(index=first + k, **c.as_dict()) for k, c in enumerate(calls)]
+        return ChatChunkChoice(
+            index=index,
+            delta=delta,
+            logprobs=shapes.chat_logprobs(s["logprobs"]) if s["logprobs"] else None,
+            finish_reason=pipe.finish_reason(s["finish_reason"]),
+        )
 
     def _prompt_chunk(self, prompt_index: int, usage: UsageInfo | None) -> str:
         text, legacy, vllm = self._prompt_parts(prompt_index)
@@ -243,26 +247,35 @@ class ResponseAssembler:
         self.record_usage(prompt_index, item)
         for s in item["outputs"]:
             index = prompt_index * self.n + s["index"]
-            if self.chat and self._split is not None:
-                reasoning, content = self._split_text(index, s["text"], s["finish_reason"] is not None)
+            finish = s["finish_reason"]
+            if self.chat:
+                reasoning, content, calls = self._choice[index].feed(s["text"], finish is not None)
                 self._reasoning[index].append(reasoning)
                 self._text[index].append(content)
+                self._calls[index] += calls
+                finish = self._choice[index].finish_reason(finish)
             else:
                 self._text[index].append(s["text"])
             if s["logprobs"]:
                 self._logprobs[index].extend(s["logprobs"])
-            if s["finish_reason"]:
-                self._finish[index] = s["finish_reason"]
+            if finish:
+                self._finish[index] = finish
+
+    def _message(self, i: int) -> ChatResponseMessage:
+        content = "".join(self._text[i])
+        calls = [ToolCallOut(**c.as_dict()) for c in self._calls[i]]
+        return ChatResponseMessage(
+            content=None if calls and not content.strip() else content,
+            reasoning_content="".join(self._reasoning[i]) or None,
+            tool_calls=calls or None,
+        )
 
     def final(self) -> dict:
         if self.chat:
             choices = [
                 ChatChoice(
                     index=i,
-                    message=ChatResponseMessage(
-                        content="".join(self._text[i]),
-                        reasoning_content="".join(self._reasoning[i]) or None,
-                    ),
+                    message=self._message(i),
                     logprobs=shapes.chat_logprobs(self._logprobs[i]) if self.logprobs else None,
                     finish_reason=self._finish[i],
                     prompt_logprobs=self._prompt_parts(i // self.n)[2],
@@ -291,6 +304,9 @@ class ResponseAssembler:
             )
         payload = body.model_dump()
         _drop_prompt_logprobs(payload, self.prompt_logprobs)
+        for c in payload["choices"] if self.chat else ():
+            if c["message"]["tool_calls"] is None:  # the key only where there are calls
+                del c["message"]["tool_calls"]
         return payload
 
 
