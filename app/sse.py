@@ -147,9 +147,11 @@ class ResponseAssembler:
     # ------------------------------------------------------------ streaming
 
     def role_chunk(self) -> str:
-        """Chat streams open with the assistant role for every choice, as OpenAI's do."""
+        """Chat streams open with the assistant role for every choice, as OpenAI's do. With tools the
+        content stays unset (null), so that an answer of calls only accumulates to content null."""
+        content = None if self.tools is not None else ""
         choices = [
-            ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))
+            ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=content))
             for i in range(len(self._finish))
         ]
         usage = None
