@@ -177,8 +177,9 @@ def tool_call_schema(parameters: dict[str, dict], names: tuple[str, ...], parall
 def tool_choice(
     tools: Any, choice: Any, parallel: bool | None
 ) -> tuple[ToolChoice | None, StructuredOutput | None]:
-    """(how to find calls, the constraint that forces them). tool_choice defaults to auto with tools."""
-    if tools is None:
+    """(how to find calls, the constraint that forces them). tool_choice defaults to auto with tools;
+    an empty tools list is no tools (clients that always send the field)."""
+    if tools is None or tools == []:
         if choice not in (None, "none", "auto"):
             raise fail("tool_choice", "a required or named tool choice needs tools")
         return None, None
@@ -205,7 +206,7 @@ def _named(choice: Any, params: dict[str, dict]) -> str:
         raise fail("tool_choice", f"must be {shape}")
     fn = choice.get("function")
     name = fn.get("name") if isinstance(fn, dict) else None
-    if name not in params:
+    if not isinstance(name, str) or name not in params:
         raise fail("tool_choice.function.name", f"{name!r} is not one of the tools ({', '.join(params)})")
     return name
 

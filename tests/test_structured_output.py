@@ -138,7 +138,8 @@ def test_bad_constraints_are_400_naming_the_field(fields, field):
 @pytest.mark.parametrize(
     "fields, field",
     [
-        ({"tools": [], "tool_choice": "required"}, "tools"),
+        ({"tools": [], "tool_choice": "required"}, "tool_choice"),
+        ({"tools": {"name": "f"}}, "tools"),
         ({"tools": [{"type": "retrieval"}]}, "tools[0].type"),
         ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name"),
         ({"tools": [TOOLS[1], TOOLS[1]]}, "tools[1].function.name"),
