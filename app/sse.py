@@ -25,16 +25,13 @@ from app.responses import (
     ChatCompletionChunk,
     ChatCompletionResponse,
     ChatDelta,
-    ChatResponseMessage,
     CompletionChoice,
     CompletionLogprobs,
     CompletionResponse,
     PromptTokensDetails,
-    ToolCallDelta,
-    ToolCallOut,
     UsageInfo,
 )
-from app.tool_calls import ToolCall, ToolParsing
+from app.tool_calls import ToolParsing
 
 DONE = "data: [DONE]\n\n"
 
@@ -92,13 +89,11 @@ class ResponseAssembler:
         self._usage: dict[int, tuple[int, int, int]] = {}  # prompt index -> (prompt, completion, cached)
         self._offsets = [0] * size  # completions logprobs text_offset, running per choice
         self._text: list[list[str]] = [[] for _ in range(size)]
-        self._reasoning: list[list[str]] = [[] for _ in range(size)]
         self._logprobs: list[list[dict]] = [[] for _ in range(size)]
         self._finish: list[str | None] = [None] * size
         self._facts: list[dict] = [{} for _ in range(num_prompts)]  # accepted item per prompt
         self._prompt_lp: list[list | None] = [None] * num_prompts  # the item's prompt logprobs
         self._prompt_sent = [not (echo or prompt_logprobs)] * num_prompts
-        self._calls: list[list[ToolCall]] = [[] for _ in range(size)]
         self._choice = [self._choice_text() for _ in range(size)]
 
     def _choice_text(self, starts_in_think: bool = False) -> ChoiceText:
@@ -170,7 +165,8 @@ class ResponseAssembler:
             events = self._prompt_chunk(prompt_index, usage)
         samples = [s for s in item["outputs"] if s["text"] or s["finish_reason"] or s["logprobs"]]
         if self.chat:
-            choices = [c for c in (self._chat_choice(prompt_index, s) for s in samples) if c is not None]
+            indexed = [(prompt_index * self.n + s["index"], s) for s in samples]
+            choices = [c for i, s in indexed if (c := self._choice[i].chunk_choice(i, s)) is not None]
             return (events + self._chat_chunk(choices, usage)) if choices else (events or None)
         choices = []
         for s in samples:
@@ -184,28 +180,6 @@ class ResponseAssembler:
         if not choices:
             return events or None
         return events + self._completion_chunk(choices, usage)
-
-    def _chat_choice(self, prompt_index: int, s: dict) -> ChatChunkChoice | None:
-        """One sample's piece of a chat chunk; None when all of it is held back."""
-        index = prompt_index * self.n + s["index"]
-        pipe = self._choice[index]
-        reasoning, content, calls = pipe.feed(s["text"], s["finish_reason"] is not None)
-        if pipe.holds_back and not (reasoning or content or calls or s["finish_reason"] or s["logprobs"]):
-            return None  # all held back (a possible partial tag or tool call)
-        # content is always set unless text can be held back (as before the split and tool calls existed)
-        delta = ChatDelta(
-            content=content or None if pipe.holds_back else content, reasoning_content=reasoning or None
-        )
-        if calls:
-            first = len(self._calls[index])
-            self._calls[index] += calls
-            delta.tool_calls = [ToolCallDelta(index=first + k, **c.as_dict()) for k, c in enumerate(calls)]
-        return ChatChunkChoice(
-            index=index,
-            delta=delta,
-            logprobs=shapes.chat_logprobs(s["logprobs"]) if s["logprobs"] else None,
-            finish_reason=pipe.finish_reason(s["finish_reason"]),
-        )
 
     def _prompt_chunk(self, prompt_index: int, usage: UsageInfo | None) -> str:
         text, legacy, vllm = self._prompt_parts(prompt_index)
@@ -251,11 +225,7 @@ class ResponseAssembler:
             index = prompt_index * self.n + s["index"]
             finish = s["finish_reason"]
             if self.chat:
-                reasoning, content, calls = self._choice[index].feed(s["text"], finish is not None)
-                self._reasoning[index].append(reasoning)
-                self._text[index].append(content)
-                self._calls[index] += calls
-                finish = self._choice[index].finish_reason(finish)
+                finish = self._choice[index].add(s)
             else:
                 self._text[index].append(s["text"])
             if s["logprobs"]:
@@ -263,26 +233,17 @@ class ResponseAssembler:
             if finish:
                 self._finish[index] = finish
 
-    def _message(self, i: int) -> ChatResponseMessage:
-        content = "".join(self._text[i])
-        calls = [ToolCallOut(**c.as_dict()) for c in self._calls[i]]
-        return ChatResponseMessage(
-            content=None if calls and not content.strip() else content,
-            reasoning_content="".join(self._reasoning[i]) or None,
-            tool_calls=calls or None,
-        )
-
     def final(self) -> dict:
         if self.chat:
             choices = [
                 ChatChoice(
                     index=i,
-                    message=self._message(i),
+                    message=self._choice[i].message(),
                     logprobs=shapes.chat_logprobs(self._logprobs[i]) if self.logprobs else None,
                     finish_reason=self._finish[i],
                     prompt_logprobs=self._prompt_parts(i // self.n)[2],
                 )
-                for i in range(len(self._text))
+                for i in range(len(self._choice))
             ]
             body = ChatCompletionResponse(
                 id=self.id, created=self.created, model=self.model, choices=choices, usage=self.usage()
