@@ -141,3 +141,21 @@ def test_llama_tools_need_a_user_turn(hf):
 
     with pytest.raises(InvalidRequestError, match="first user message"):
         ChatTemplate(family_template("llama")).render([{"role": "system", "content": "x"}], tools=TOOLS)
+
+
+def test_a_template_without_tools_falls_back_to_the_family_template(hf):
+    """Gemma 3's own template, for one, never mentions tools: a request with tools is rendered by the
+    family's template of ours; with no family to fall back on, it is refused, never dropped."""
+    from app.errors import from_engine_error
+    from engine.errors import InvalidRequestError
+
+    no_tools = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    messages = _engine_messages(ROUND_TRIP[:2])
+    special = hf.special_tokens_map
+    plain = ChatTemplate(no_tools, special, family="gemma3")
+    assert plain.render(messages) == "system: Be brief.\nuser: Weather in Paris and Tōkyō?\n"
+    expected = ChatTemplate(family_template("gemma3"), special).render(messages, tools=TOOLS)
+    assert plain.render(messages, tools=TOOLS) == expected and "get_weather" in expected
+    with pytest.raises(InvalidRequestError, match="does not render tools") as info:
+        ChatTemplate(no_tools, special).render(messages, tools=TOOLS)
+    assert from_engine_error(info.value, 1).status == 400 and info.value.field == "tools"
