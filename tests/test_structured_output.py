@@ -9,14 +9,16 @@ import json
 
 import pytest
 
-from app import structured
-from app.errors import from_engine_error
-from app.field_policy import CHAT_UNSUPPORTED, reject_unsupported
-from app.protocol import ChatCompletionRequest, CompletionRequest
-from app.sse import ResponseAssembler
-from app.tool_calls import ToolParsing, make_parser, resolve_parser
-from engine.errors import InvalidRequestError
-from engine.sampling_params import StructuredOutput
+pytest.importorskip("fastapi")  # app/ needs the serving stack (a bare GPU host has none)
+
+from app import structured  # noqa: E402
+from app.errors import from_engine_error  # noqa: E402
+from app.field_policy import CHAT_UNSUPPORTED, reject_unsupported  # noqa: E402
+from app.protocol import ChatCompletionRequest, CompletionRequest  # noqa: E402
+from app.sse import ResponseAssembler  # noqa: E402
+from app.tool_calls import ToolParsing, make_parser, resolve_parser  # noqa: E402
+from engine.errors import InvalidRequestError  # noqa: E402
+from engine.sampling_params import StructuredOutput  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 TOOLS = [

@@ -14,9 +14,11 @@ import json
 
 import pytest
 
-from app.protocol import ChatCompletionRequest
-from app.tool_calls import make_parser
-from engine.chat_template import ChatTemplate, family_template
+pytest.importorskip("pydantic")  # app/'s request models (a bare GPU host may lack the serving stack)
+
+from app.protocol import ChatCompletionRequest  # noqa: E402
+from app.tool_calls import make_parser  # noqa: E402
+from engine.chat_template import ChatTemplate, family_template  # noqa: E402
 
 TOOLS = [
     {
@@ -146,6 +148,7 @@ def test_llama_tools_need_a_user_turn(hf):
 def test_a_template_without_tools_falls_back_to_the_family_template(hf):
     """Gemma 3's own template, for one, never mentions tools: a request with tools is rendered by the
     family's template of ours; with no family to fall back on, it is refused, never dropped."""
+    pytest.importorskip("fastapi")
     from app.errors import from_engine_error
     from engine.errors import InvalidRequestError
 
