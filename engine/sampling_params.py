@@ -46,11 +46,14 @@ class BudgetForcing:
 
 @dataclass(frozen=True)
 class StructuredOutput:
-    # "json" (spec: JSON schema dict or str), "json_object" (spec None), "regex" (str),
-    # "choice" (list[str]), "grammar" (Lark str)
+    """A constraint on the generated text."""
+
+    # "json" (spec: a JSON schema, dict or JSON string), "json_object" (spec None: any JSON object),
+    # "regex" (spec: str), "choice" (spec: list[str]), "grammar" (spec: str, Lark syntax as llguidance
+    # takes it). Checked and compiled by engine/structured.py (from engine.admission.check).
     kind: str
     spec: object = None
-    field: str = "structured_outputs"  # the API field errors name, e.g. "response_format.json_schema.schema"
+    field: str = "structured_outputs"  # the API field errors are reported against
 
 
 @dataclass
@@ -76,6 +79,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     tool: ToolConfig | None = None
     budget_forcing: BudgetForcing | None = None
+    # grammar-constrained decoding (engine/structured.py, engine/grammar_state.py); None: free text
     structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
