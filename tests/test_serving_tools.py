@@ -40,7 +40,9 @@ WEATHER = {
         },
     },
 }
-NOW = {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}
+# closed schemas (additionalProperties false): an open one lets the random model add keys until max_tokens
+NOW = {"type": "function", "function": {"name": "now", "parameters": {
+    "type": "object", "properties": {}, "additionalProperties": False}}}  # fmt: skip
 JSON_OBJECT = {"type": "json_object"}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
@@ -185,14 +187,13 @@ def enforced():
 def test_json_schema_and_parse(client, server, enforced):
     schema = Weather.model_json_schema()
     fmt = {"type": "json_schema", "json_schema": {"name": "weather", "schema": schema, "strict": True}}
-    out = client.chat.completions.create(model=server.model, messages=ASK, response_format=fmt, max_tokens=96)
+    kw = {"model": server.model, "messages": ASK, "max_tokens": 96, "temperature": 0}
+    out = client.chat.completions.create(**kw, response_format=fmt)
     Weather.model_validate_json(out.choices[0].message.content)
     parse = getattr(client.chat.completions, "parse", None) or client.beta.chat.completions.parse
-    parsed = parse(model=server.model, messages=ASK, response_format=Weather, max_tokens=96)
+    parsed = parse(**kw, response_format=Weather)
     assert isinstance(parsed.choices[0].message.parsed, Weather)
-    obj = client.chat.completions.create(
-        model=server.model, messages=ASK, response_format={"type": "json_object"}, max_tokens=96
-    )
+    obj = client.chat.completions.create(**kw, response_format={"type": "json_object"})
     assert obj.choices[0].finish_reason == "length" or isinstance(
         json.loads(obj.choices[0].message.content), dict
     )
@@ -201,7 +202,7 @@ def test_json_schema_and_parse(client, server, enforced):
 @pytest.mark.parametrize("so", [{"regex": "(yes|no)[0-9]{2}"}, {"choice": ["red", "green"]}])
 def test_structured_outputs_extra_body(client, server, so, enforced):
     out = client.completions.create(
-        model=server.model, prompt="x", max_tokens=8, extra_body={"structured_outputs": so}
+        model=server.model, prompt="x", max_tokens=8, temperature=0, extra_body={"structured_outputs": so}
     )
     text = out.choices[0].text
     assert text in so["choice"] if "choice" in so else re.fullmatch(so["regex"], text)
@@ -210,21 +211,24 @@ def test_structured_outputs_extra_body(client, server, so, enforced):
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
 def test_required_and_named_tool_choice(client, server, choice, stream, enforced):
+    """One call (parallel_tool_calls false; a named function allows one anyway): with several allowed,
+    the greedy random model repeats valid calls until max_tokens."""
     jsonschema = pytest.importorskip("jsonschema")
     kw = {
         "model": server.model,
         "messages": ASK,
         "tools": [WEATHER, NOW],
         "tool_choice": choice,
+        "parallel_tool_calls": False,
         "max_tokens": 96,
+        "temperature": 0,
     }
     if stream:
         out = _sdk_stream(client, kw)
     else:
         out = client.chat.completions.create(**kw).choices[0]
     assert out.finish_reason == "tool_calls" and out.message.tool_calls
-    if isinstance(choice, dict):
-        assert len(out.message.tool_calls) == 1
+    assert len(out.message.tool_calls) == 1
     for call in out.message.tool_calls:
         params = {"get_weather": WEATHER, "now": NOW}[call.function.name]["function"]["parameters"]
         jsonschema.validate(json.loads(call.function.arguments), params)
@@ -252,8 +256,9 @@ def get_weather(city: Literal["Paris", "Tokyo"]) -> str:
     \"\"\"Current weather for a city.\"\"\"
 llm = ChatOpenAI(base_url=url + "/v1", api_key="x", model=model, temperature=0, max_tokens=96, max_retries=0)
 structured = llm.with_structured_output(Weather).invoke("Weather in Paris?")
-required = llm.bind_tools([get_weather], tool_choice="required").invoke("Weather in Paris?")
-named = llm.bind_tools([get_weather], tool_choice="get_weather").invoke("Weather in Paris?")
+# strict: the parameters schema is closed (the random model would add keys to an open one)
+required = llm.bind_tools([get_weather], tool_choice="required", strict=True).invoke("Weather in Paris?")
+named = llm.bind_tools([get_weather], tool_choice="get_weather", strict=True).invoke("Weather in Paris?")
 print(json.dumps({"structured": structured.model_dump(), "required": required.tool_calls,
                   "named": named.tool_calls}))
 """
