@@ -199,6 +199,22 @@ def test_json_schema_and_parse(client, server, enforced):
     )
 
 
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs.regex"),
+        ({"structured_outputs": {"grammar": "start: foo\n"}}, "structured_outputs.grammar"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "objectx"}}}},
+         "response_format.json_schema.schema"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"if": {}}}}],
+          "tool_choice": "required"}, "tools"),
+    ],
+)  # fmt: skip
+def test_what_the_engine_cannot_compile_is_400_naming_the_field(server, fields, param, stream, enforced):
+    _error(_post(server, "/v1/chat/completions", _chat(server, stream=stream, **fields)), 400, param)
+
+
 @pytest.mark.parametrize("so", [{"regex": "(yes|no)[0-9]{2}"}, {"choice": ["red", "green"]}])
 def test_structured_outputs_extra_body(client, server, so, enforced):
     out = client.completions.create(
