@@ -461,3 +461,15 @@ def test_reasoning_then_tool_calls():
     assert whole["message"]["reasoning_content"] == "the user wants weather"
     assert (whole["message"]["content"], _calls(whole["message"])) == ("Let me look.\n", BOTH)
     assert (streamed.message.content, _calls(streamed.message)) == ("Let me look.\n", BOTH)
+
+
+def test_required_calls_go_out_when_the_array_completes():
+    """required / named: the calls are sent as soon as the JSON array is whole, before the finish."""
+    out = ResponseAssembler(True, "id", "m", 1, 1, tools=ToolParsing("required", NAMES, True))
+    assert out.chunk(0, _item(REQUIRED[:30], 1)) is None
+    first = json.loads(out.chunk(0, _item(REQUIRED[30:], 2))[len("data: ") :])["choices"][0]
+    assert first["finish_reason"] is None
+    assert [c["function"]["name"] for c in first["delta"]["tool_calls"]] == ["get_weather", "now"]
+    assert [c["index"] for c in first["delta"]["tool_calls"]] == [0, 1]
+    last = json.loads(out.chunk(0, _item("", 3, "stop"))[len("data: ") :])["choices"][0]
+    assert last == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "tool_calls"}
