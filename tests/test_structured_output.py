@@ -473,3 +473,20 @@ def test_required_calls_go_out_when_the_array_completes():
     assert [c["index"] for c in first["delta"]["tool_calls"]] == [0, 1]
     last = json.loads(out.chunk(0, _item("", 3, "stop"))[len("data: ") :])["choices"][0]
     assert last == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "tool_calls"}
+
+
+def test_auto_needs_the_servers_parser():
+    """tool_choice auto on a server with tool_call_parser none is a 400 naming tool_choice; required
+    and named choices need no parser (their output is the forced JSON array)."""
+    pytest.importorskip("ray")
+    from app.ingress import Ingress
+
+    ingress = Ingress.func_or_class.__new__(Ingress.func_or_class)
+    ingress._tool_parser = "none"
+    _refused(lambda: ingress._tool_parsing(structured.ToolChoice("auto", True, NAMES)), "tool_choice")
+    required = ingress._tool_parsing(structured.ToolChoice("required", False, ("now",)))
+    assert required == ToolParsing("required", ("now",), False)
+    ingress._tool_parser = "qwen3"
+    assert ingress._tool_parsing(structured.ToolChoice("auto", True, NAMES)) == ToolParsing(
+        "qwen3", NAMES, True
+    )
