@@ -2,7 +2,7 @@
 
 Parsers (the server's `tool_call_parser`, chosen by model family when "auto": app/builder.py):
   * llama3_json: JSON objects `{"name": ..., "parameters": {...}}` (or "arguments"), optionally after
-    `<|python_tag|>`, several separated by `;` or newlines, or a JSON array of them;
+    `<|python_tag|>` or in a ``` fence, several separated by `;` or newlines, or a JSON array of them;
   * qwen3: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` blocks;
   * gemma_json: like llama3_json, also inside a ``` fence (Gemma has no native tool format);
   * required: what tool_choice required / named forces (app/structured.tool_call_schema): one JSON array.
