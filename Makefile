@@ -7,7 +7,9 @@ MODEL_DIR ?= models/tiny-llama
 .venv/.installed: pyproject.toml scripts/setup_venv.sh
 	bash scripts/setup_venv.sh
 
-$(MODEL_DIR)/config.json: .venv/.installed
+# The tiny model's tokenizer_config.json carries a copy of the family's chat template: remake it when
+# the template changes.
+$(MODEL_DIR)/config.json: .venv/.installed engine/templates/llama.jinja
 	$(PY) -m scripts.make_model tiny $(MODEL_DIR)
 
 model: $(MODEL_DIR)/config.json

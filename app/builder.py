@@ -7,6 +7,7 @@ max_waiting, gpu_memory_utilization, num_blocks, max_model_len, dtype, ...) and 
 the driver, so a typo fails `serve run` at once instead of crash-looping a replica.
 """
 
+import json
 import os
 from typing import Any, Literal
 
@@ -16,6 +17,7 @@ from ray.serve import Application
 from app.engine_deployment import EngineDeployment
 from app.ingress import Ingress
 from app.security import DEFAULT_MAX_BODY_BYTES
+from app.tool_calls import resolve_parser
 from engine.config import EngineConfig
 
 # Serve-level slots on the engine deployment beyond our own admission limit, so that a stream over the
@@ -57,6 +59,11 @@ class AppArgs(BaseModel):
         None,
         description="'think': chat answers put a leading <think>...</think> in reasoning_content "
         "(thinking models); a request's include_reasoning overrides it",
+    )
+    tool_call_parser: Literal["auto", "llama3_json", "qwen3", "gemma_json", "none"] = Field(
+        "auto",
+        description="how chat answers' tool calls are found with tool_choice auto: the family's format "
+        "(auto: by config.json's model_type), or none (tool_choice auto is then refused)",
     )
     null_core_step_ms: float | None = Field(
         None, gt=0, description="benchmarks only: a core without a model, one token per stream per step"
@@ -120,4 +127,10 @@ def build_app(args: AppArgs) -> Application:
         api_key=args.api_key or os.environ.get("MINSERVE_API_KEY") or None,
         max_body_bytes=args.max_body_bytes,
         reasoning_parser=args.reasoning_parser,
+        tool_call_parser=resolve_parser(args.tool_call_parser, _model_type(model)),
     )
+
+
+def _model_type(model: str) -> str | None:
+    with open(os.path.join(model, "config.json")) as f:
+        return json.load(f).get("model_type")

@@ -16,15 +16,16 @@ from engine.errors import InvalidRequestError
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 # Variables the renderer sets itself; chat_template_kwargs may not replace them.
-RESERVED_KWARGS = frozenset({"messages", "add_generation_prompt", "continue_final_message"})
+RESERVED_KWARGS = frozenset({"messages", "add_generation_prompt", "continue_final_message", "tools"})
 
 
 @dataclass
 class ChatPrompt:
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    tools: list[dict] | None = None  # OpenAI function definitions: the template's `tools` variable
 
     def __post_init__(self) -> None:
         clash = sorted(RESERVED_KWARGS & set(self.template_kwargs))
@@ -42,6 +43,7 @@ class ChatPrompt:
             add_generation_prompt=self.add_generation_prompt,
             continue_final_message=self.continue_final_message,
             **self.template_kwargs,
+            **({"tools": self.tools} if self.tools is not None else {}),
         )
 
     def encode(self, tokenizer) -> tuple[list[int], bool]:

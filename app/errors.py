@@ -2,9 +2,10 @@
 
 `ApiError` is plain data (picklable), so the engine deployment can hand it to the ingress as a stream
 item instead of raising across the Ray boundary. Status codes: 400 malformed request, unsupported
-field or prompt too long, 404 unknown model or route, 415 a body that is not JSON, 422 unknown or
-invalid field, 503 overloaded or engine down (with Retry-After), 500 anything unexpected. The table of
-every (status, code) is docs/api.md's "Errors"; FastAPI's own errors are mapped in app/http_errors.py.
+field, prompt too long, or a structured-output / tools field that cannot be honoured (app/structured.py),
+404 unknown model or route, 415 a body that is not JSON, 422 unknown or invalid field, 503 overloaded or
+engine down (with Retry-After), 500 anything unexpected. The table of every (status, code) is
+docs/api.md's "Errors"; FastAPI's own errors are mapped in app/http_errors.py.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 
 from fastapi.responses import JSONResponse
 
+from app.structured import STRUCTURED_FIELDS
 from engine.errors import (
     EngineDeadError,
     EngineError,
@@ -53,8 +55,16 @@ def from_engine_error(exc: EngineError, retry_after: int) -> ApiError:
     if isinstance(exc, PromptTooLongError):
         return ApiError(400, message, "invalid_request_error", param or "prompt", "context_length_exceeded")
     if isinstance(exc, InvalidRequestError):
-        return ApiError(422, message, "invalid_request_error", param, "invalid_value")
+        # a constraint that cannot be honoured as given (structured output, tools) is a 400, as in
+        # OpenAI's API; other bad values stay 422
+        status = 400 if _field_root(param) in STRUCTURED_FIELDS else 422
+        return ApiError(status, message, "invalid_request_error", param, "invalid_value")
     return ApiError(exc.status_code, message, "invalid_request_error", param)
+
+
+def _field_root(param: str | None) -> str:
+    """ "response_format.json_schema.schema" -> "response_format"; "tools[0].function" -> "tools"."""
+    return (param or "").split(".")[0].split("[")[0]
 
 
 def internal(message: str) -> ApiError:

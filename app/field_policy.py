@@ -9,9 +9,9 @@ Three answers, written down in docs/api.md (field policy):
     with that one reason, not with whatever else is wrong with it;
   * anything else is a misspelt or unknown field: 422 `extra_forbidden`, naming the closest known field.
 
-A refused field sent with a value that asks for nothing (null, `tool_choice: "none"`,
-`response_format: {"type": "text"}`, `best_of` equal to `n`) is dropped instead: clients that serialise
-every field with its default then still work.
+A refused field sent with a value that asks for nothing (null, `best_of` equal to `n`) is dropped
+instead: clients that serialise every field with its default then still work. Structured output and
+tools (response_format, structured_outputs, tools, tool_choice) are taken (app/structured.py).
 """
 
 from __future__ import annotations
@@ -24,16 +24,16 @@ from pydantic_core import PydanticCustomError
 
 UNSUPPORTED_CODE = "unsupported_parameter"
 _NOT_IMPLEMENTED = "it is not implemented here"
+_USE_STRUCTURED = "vLLM's older guided_* fields are not taken: send structured_outputs or response_format"
 
 # field -> why; shared by both endpoints (vLLM extensions that clients send to vLLM-compatible servers)
 _VLLM_UNSUPPORTED = {
     "use_beam_search": "beam search is not implemented",
     "length_penalty": "beam search is not implemented",
-    "guided_json": "structured output is not implemented",
-    "guided_regex": "structured output is not implemented",
-    "guided_choice": "structured output is not implemented",
-    "guided_grammar": "structured output is not implemented",
-    "structured_outputs": "structured output is not implemented",
+    "guided_json": _USE_STRUCTURED,
+    "guided_regex": _USE_STRUCTURED,
+    "guided_choice": _USE_STRUCTURED,
+    "guided_grammar": _USE_STRUCTURED,
     "min_tokens": _NOT_IMPLEMENTED,
     "truncate_prompt_tokens": "prompts are never truncated: shorten the prompt instead",
     "allowed_token_ids": _NOT_IMPLEMENTED,
@@ -44,15 +44,11 @@ COMPLETION_UNSUPPORTED = {
     **_VLLM_UNSUPPORTED,
     "suffix": "its models have no fill-in-the-middle",
     "best_of": "only best_of equal to n (or unset) is accepted: it generates n samples and returns all",
-    "response_format": "structured output is not implemented",
 }
 CHAT_UNSUPPORTED = {
     **_VLLM_UNSUPPORTED,
-    "tools": "tool calling is not implemented (tools_calculator is the one built-in tool)",
-    "tool_choice": "tool calling is not implemented",
-    "functions": "function calling is not implemented",
-    "function_call": "function calling is not implemented",
-    "response_format": "structured output is not implemented",
+    "functions": "the deprecated functions field is not taken: send tools",
+    "function_call": "the deprecated function_call field is not taken: send tool_choice",
     "audio": "the models are text only",
     "modalities": "the models are text only",
     "prediction": "predicted outputs are not implemented",
@@ -64,9 +60,7 @@ CHAT_UNSUPPORTED = {
     "documents": _NOT_IMPLEMENTED,
 }
 MESSAGE_UNSUPPORTED = {
-    "tool_calls": "tool calling is not implemented",
-    "tool_call_id": "tool calling is not implemented",
-    "function_call": "function calling is not implemented",
+    "function_call": "the deprecated function_call field is not taken: send tool_calls",
     "audio": "the models are text only",
 }
 
@@ -75,10 +69,6 @@ def _asks_nothing(field: str, value: Any, raw: dict) -> bool:
     """True when the value of a refused field requests no behaviour (so dropping it changes nothing)."""
     if value is None:
         return True
-    if field == "tool_choice":
-        return value == "none"
-    if field == "response_format":
-        return value == {"type": "text"}
     if field == "best_of":
         return value == raw.get("n", 1)
     return False

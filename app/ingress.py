@@ -31,6 +31,8 @@ from app.metrics import IngressMetrics
 from app.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from app.responses import ModelCard, ModelList
 from app.sse import DONE, ResponseAssembler, item_error, sse_error
+from app.structured import ToolChoice, require_engine_support
+from app.tool_calls import PARSERS, ToolParsing
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
 
@@ -84,9 +86,13 @@ class Ingress:
         api_key: str | None = None,
         max_body_bytes: int = security.DEFAULT_MAX_BODY_BYTES,
         reasoning_parser: str | None = None,
+        tool_call_parser: str = "none",
     ):
         if reasoning_parser not in (None, "think"):
             raise ValueError(f"reasoning_parser: must be 'think' or null, got {reasoning_parser!r}")
+        if tool_call_parser not in (*PARSERS, "none"):  # resolved from "auto" by app/builder.py
+            raise ValueError(f"tool_call_parser: must be none or one of {PARSERS}, got {tool_call_parser!r}")
+        self._tool_parser = tool_call_parser
         security.configure(api_key, max_body_bytes)
         self._reasoning_default = reasoning_parser == "think"
         self._engine = engine
@@ -141,6 +147,7 @@ class Ingress:
             return reject(request, self._unknown_model(body.model))
         try:
             prompts, params = body.prompts(), body.sampling_params()
+            require_engine_support(params.structured)
         except InvalidRequestError as exc:
             return reject(request, from_engine_error(exc, self._retry_after))
         out = ResponseAssembler(
@@ -163,6 +170,8 @@ class Ingress:
             return reject(request, self._unknown_model(body.model))
         try:
             params, prompt = body.sampling_params(self._default_max_tokens), body.chat_prompt()
+            tools = self._tool_parsing(body.constraints()[1])
+            require_engine_support(params.structured)
         except InvalidRequestError as exc:
             return reject(request, from_engine_error(exc, self._retry_after))
         out = ResponseAssembler(
@@ -175,6 +184,7 @@ class Ingress:
             prompt_logprobs=body.prompt_logprobs is not None,
             continuous_usage=body.continuous_usage,
             reasoning=body.reasoning(self._reasoning_default),
+            tools=tools,
         )
         return await self._respond(request, [prompt], params, out, body, arrival, False)
 
@@ -206,6 +216,20 @@ class Ingress:
         except Exception as exc:
             return reject(request, call_failure(exc, self._retry_after))
         return reject(request, result) if isinstance(result, ApiError) else JSONResponse(result)
+
+    def _tool_parsing(self, choice: ToolChoice | None) -> ToolParsing | None:
+        """What the answer is searched for: the forced JSON array, or the server's family format."""
+        if choice is None:
+            return None
+        if choice.mode == "required":
+            return ToolParsing("required", choice.names, choice.parallel)
+        if self._tool_parser == "none":
+            raise InvalidRequestError(
+                "tool_choice: 'auto' (the default with tools) needs the server's tool_call_parser, which is "
+                "none here (serve_config.yaml): send tool_choice 'required', a named function, or 'none'",
+                "tool_choice",
+            )
+        return ToolParsing(self._tool_parser, choice.names, choice.parallel)
 
     def _unknown_model(self, name: str) -> ApiError:
         return ApiError(

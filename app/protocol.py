@@ -8,31 +8,34 @@ reports as the error's `param`. Response bodies are in app/responses.py.
 Extensions beyond OpenAI: top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids,
 include_stop_str_in_output, tools_calculator (nanochat calculator), budget_forcing, and vLLM's
 prompt_logprobs, stream_options.continuous_usage_stats, chat_template_kwargs, add_generation_prompt,
-continue_final_message and include_reasoning.
+continue_final_message, include_reasoning and structured_outputs.
+Structured output (response_format, structured_outputs) and tools (tools, tool_choice,
+parallel_tool_calls) are typed loosely here and checked by app/structured.py, so that every problem
+with them is a 400 naming the exact field (docs/api.md, Structured output and tools).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
+from app import structured
 from app.chat import ChatPrompt
 from app.field_policy import (
     CHAT_UNSUPPORTED,
     COMPLETION_UNSUPPORTED,
-    MESSAGE_UNSUPPORTED,
     model_field_names,
     reject_unsupported,
 )
+from app.messages import ChatMessage, StrictModel
 from engine.errors import InvalidRequestError
-from engine.sampling_params import BudgetForcing, SamplingParams, ToolConfig
+from engine.sampling_params import BudgetForcing, SamplingParams, StructuredOutput, ToolConfig
 
 # ---------------------------------------------------------------- requests
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+_Strict = StrictModel
 
 
 class StreamOptions(_Strict):
@@ -71,12 +74,15 @@ class _SamplingRequest(_Strict):
     budget_forcing: BudgetForcingArgs | None = None
     logit_bias: dict[str, float] | None = None  # OpenAI's shape: token id (as a string) -> bias
     prompt_logprobs: int | None = None  # vLLM: each prompt token's logprob plus the top k
+    # constraints, checked by app/structured.py: OpenAI's response_format, vLLM's structured_outputs
+    response_format: Any = None
+    structured_outputs: Any = None
     # accepted and ignored: they do not change what is generated (docs/api.md, field policy)
     user: str | None = None
     metadata: dict[str, Any] | None = None
     store: bool | None = None
     service_tier: str | None = None
-    parallel_tool_calls: bool | None = None  # meaningful only with tools, which are refused
+    parallel_tool_calls: Any = None  # chat with tools: false allows one call; otherwise ignored
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
 
@@ -89,7 +95,11 @@ class _SamplingRequest(_Strict):
         return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
     def _sampling_params(
-        self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None
+        self,
+        max_tokens: int,
+        logprobs: int | None,
+        prompt_logprobs: int | None,
+        constraint: StructuredOutput | None,
     ) -> SamplingParams:
         forcing = None
         if self.budget_forcing is not None:
@@ -114,6 +124,7 @@ class _SamplingRequest(_Strict):
             budget_forcing=forcing,
             prompt_logprobs=prompt_logprobs,
             logit_bias=dict(self.logit_bias) if self.logit_bias is not None else None,  # keys: ids as strings
+            structured=constraint,
         )
 
 
@@ -148,30 +159,8 @@ class CompletionRequest(_SamplingRequest):
 
     def sampling_params(self) -> SamplingParams:
         max_tokens = 16 if self.max_tokens is None else self.max_tokens
-        return self._sampling_params(max_tokens, self.logprobs, self.prompt_logprobs_k)
-
-
-class TextPart(_Strict):
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
-    refusal: str | None = None  # accepted and ignored (an earlier assistant turn may carry it)
-
-    @model_validator(mode="before")
-    @classmethod
-    def refuse_unsupported(cls, raw: Any) -> Any:
-        return reject_unsupported(raw, MESSAGE_UNSUPPORTED, "messages[].")
-
-    def as_engine_message(self) -> dict[str, str]:
-        content = self.content
-        if isinstance(content, list):
-            content = "".join(part.text for part in content)
-        return {"role": self.role, "content": content or ""}
+        constraint = structured.one_constraint(self.response_format, self.structured_outputs)
+        return self._sampling_params(max_tokens, self.logprobs, self.prompt_logprobs_k, constraint)
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -183,14 +172,26 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: bool | None = None  # default: true, or false with continue_final_message
     continue_final_message: bool = False
     include_reasoning: bool | None = None  # split <think>...</think> off; default: the server's setting
+    tools: Any = None  # OpenAI's function definitions (app/structured.py checks them)
+    tool_choice: Any = None  # "none", "auto" (the default with tools), "required" or a named function
 
     @model_validator(mode="before")
     @classmethod
     def refuse_unsupported(cls, raw: Any) -> Any:
         return reject_unsupported(raw, CHAT_UNSUPPORTED)
 
-    def engine_messages(self) -> list[dict[str, str]]:
-        return [m.as_engine_message() for m in self.messages]
+    def engine_messages(self) -> list[dict[str, Any]]:
+        return [m.as_engine_message(i) for i, m in enumerate(self.messages)]
+
+    def constraints(self) -> tuple[StructuredOutput | None, structured.ToolChoice | None]:
+        """(the constraint for the engine, how to find tool calls): app/structured.resolve."""
+        return structured.resolve(
+            self.response_format,
+            self.structured_outputs,
+            self.tools,
+            self.tool_choice,
+            self.parallel_tool_calls,
+        )
 
     def chat_prompt(self) -> ChatPrompt:
         """What the engine replica renders with the model's template (app/chat.py)."""
@@ -210,8 +211,15 @@ class ChatCompletionRequest(_SamplingRequest):
             if self.add_generation_prompt is None
             else self.add_generation_prompt
         )
+        tools = self.tools or None  # [] is no tools
+        if tools is not None:
+            structured.function_parameters(tools)  # the template gets only checked definitions
         return ChatPrompt(
-            self.engine_messages(), add, self.continue_final_message, dict(self.chat_template_kwargs or {})
+            self.engine_messages(),
+            add,
+            self.continue_final_message,
+            dict(self.chat_template_kwargs or {}),
+            tools=tools,
         )
 
     def reasoning(self, server_default: bool) -> str:
@@ -228,9 +236,10 @@ class ChatCompletionRequest(_SamplingRequest):
             raise InvalidRequestError("top_logprobs: set logprobs=true to use it", field="top_logprobs")
         k = (self.top_logprobs or 0) if self.logprobs else None
         limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        constraint = self.constraints()[0]
         try:
             return self._sampling_params(
-                default_max_tokens if limit is None else limit, k, self.prompt_logprobs
+                default_max_tokens if limit is None else limit, k, self.prompt_logprobs, constraint
             )
         except InvalidRequestError as exc:
             if exc.field == "logprobs":  # chat names the count top_logprobs
@@ -250,6 +259,7 @@ class TokenizeRequest(_Strict):
     add_generation_prompt: bool | None = None
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: Any = None  # rendered by the template, as in chat requests
 
     def source(self) -> str | ChatPrompt:
         if (self.prompt is None) == (self.messages is None):
@@ -264,6 +274,7 @@ class TokenizeRequest(_Strict):
             add_generation_prompt=self.add_generation_prompt,
             continue_final_message=self.continue_final_message,
             chat_template_kwargs=self.chat_template_kwargs,
+            tools=self.tools,
         )
         return chat.chat_prompt()
 

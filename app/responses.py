@@ -1,5 +1,6 @@
 """OpenAI-compatible response bodies (and vLLM's extensions to them), built by app/sse.py.
 
+Tool calls (`message.tool_calls`, `delta.tool_calls`) have OpenAI's shape (app/tool_calls.py finds them).
 Extensions: `reasoning_content` on chat messages and deltas (thinking models, app/reasoning.py),
 `prompt_logprobs` per choice (vLLM's shape, app/logprob_shapes.py), `max_model_len` and `vocab_size`
 on model cards, and the /tokenize and /detokenize bodies.
@@ -68,10 +69,28 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] = Field(default_factory=list)
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str  # JSON text of an object
+
+
+class ToolCallOut(BaseModel):
+    id: str  # call_<hex>
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
+class ToolCallDelta(ToolCallOut):
+    """A streamed call: minserve sends each call whole, in one delta (id, name and all arguments)."""
+
+    index: int  # the call's position among the choice's calls
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # null when the answer is tool calls only
     reasoning_content: str | None = None  # thinking models, when the split is on (else always null)
+    tool_calls: list[ToolCallOut] | None = None  # key left out of the body when there are none
 
 
 class ChatChoice(BaseModel):
@@ -95,6 +114,7 @@ class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     reasoning_content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):

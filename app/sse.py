@@ -17,21 +17,21 @@ import json
 import time
 
 from app import logprob_shapes as shapes
+from app.chat_output import ChoiceText
 from app.errors import ApiError
-from app.reasoning import ThinkSplitter
 from app.responses import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
     ChatCompletionResponse,
     ChatDelta,
-    ChatResponseMessage,
     CompletionChoice,
     CompletionLogprobs,
     CompletionResponse,
     PromptTokensDetails,
     UsageInfo,
 )
+from app.tool_calls import ToolParsing
 
 DONE = "data: [DONE]\n\n"
 
@@ -63,7 +63,8 @@ class ResponseAssembler:
     """State of one HTTP response: usage per prompt, text offsets, and (non-streaming) accumulated text.
 
     echo / logprobs / prompt_logprobs: what the request asked for; reasoning: "split", "drop" or "off"
-    (app/protocol.ChatCompletionRequest.reasoning); `set_prompt` gives each prompt's accepted facts."""
+    (app/protocol.ChatCompletionRequest.reasoning); tools: what tool calls to look for in chat answers
+    (app/tool_calls.py); `set_prompt` gives each prompt's accepted facts."""
 
     def __init__(
         self,
@@ -78,28 +79,32 @@ class ResponseAssembler:
         prompt_logprobs: bool = False,
         continuous_usage: bool = False,
         reasoning: str = "off",
+        tools: ToolParsing | None = None,
     ):
         self.chat, self.id, self.model, self.n = chat, request_id, model, n
         self.echo, self.logprobs, self.prompt_logprobs = echo, logprobs, prompt_logprobs
-        self.continuous_usage, self.reasoning = continuous_usage, reasoning
+        self.continuous_usage, self.reasoning, self.tools = continuous_usage, reasoning, tools
         self.created = int(time.time())
         size = n * num_prompts
         self._usage: dict[int, tuple[int, int, int]] = {}  # prompt index -> (prompt, completion, cached)
         self._offsets = [0] * size  # completions logprobs text_offset, running per choice
         self._text: list[list[str]] = [[] for _ in range(size)]
-        self._reasoning: list[list[str]] = [[] for _ in range(size)]
         self._logprobs: list[list[dict]] = [[] for _ in range(size)]
         self._finish: list[str | None] = [None] * size
         self._facts: list[dict] = [{} for _ in range(num_prompts)]  # accepted item per prompt
         self._prompt_lp: list[list | None] = [None] * num_prompts  # the item's prompt logprobs
         self._prompt_sent = [not (echo or prompt_logprobs)] * num_prompts
-        self._split = [ThinkSplitter() for _ in range(size)] if reasoning != "off" else None
+        self._choice = [self._choice_text() for _ in range(size)]
+
+    def _choice_text(self, starts_in_think: bool = False) -> ChoiceText:
+        tools = self.tools.stream() if self.tools is not None and self.chat else None
+        return ChoiceText(self.reasoning, tools, starts_in_think)
 
     def set_prompt(self, prompt_index: int, facts: dict) -> None:
         self._facts[prompt_index] = facts
-        if self._split is not None and facts.get("starts_in_think"):
+        if facts.get("starts_in_think"):
             for i in range(prompt_index * self.n, (prompt_index + 1) * self.n):
-                self._split[i] = ThinkSplitter(starts_in_think=True)
+                self._choice[i] = self._choice_text(starts_in_think=True)
         if self.echo:  # generated tokens' offsets count on after the echoed prompt
             offset = len(self._echo_text(prompt_index))
             for i in range(prompt_index * self.n, (prompt_index + 1) * self.n):
@@ -125,16 +130,6 @@ class ResponseAssembler:
             prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
         )
 
-    def _split_text(self, index: int, text: str, finished: bool) -> tuple[str, str]:
-        """(reasoning, content) of a piece of choice `index`'s text."""
-        if self._split is None:
-            return "", text
-        reasoning, content = self._split[index].feed(text)
-        if finished:
-            r, c = self._split[index].finish()
-            reasoning, content = reasoning + r, content + c
-        return ("" if self.reasoning == "drop" else reasoning), content
-
     def _prompt_parts(self, prompt_index: int) -> tuple[str, CompletionLogprobs | None, list | None]:
         """(echo text, its legacy logprobs, vLLM prompt_logprobs) of one prompt, as the request asked."""
         plp = self._prompt_lp[prompt_index]
@@ -149,9 +144,11 @@ class ResponseAssembler:
     # ------------------------------------------------------------ streaming
 
     def role_chunk(self) -> str:
-        """Chat streams open with the assistant role for every choice, as OpenAI's do."""
+        """Chat streams open with the assistant role for every choice, as OpenAI's do. With tools the
+        content stays unset (null), so that an answer of calls only accumulates to content null."""
+        content = None if self.tools is not None else ""
         choices = [
-            ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))
+            ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=content))
             for i in range(len(self._finish))
         ]
         usage = None
@@ -170,25 +167,8 @@ class ResponseAssembler:
             events = self._prompt_chunk(prompt_index, usage)
         samples = [s for s in item["outputs"] if s["text"] or s["finish_reason"] or s["logprobs"]]
         if self.chat:
-            choices = []
-            for s in samples:
-                index = prompt_index * self.n + s["index"]
-                reasoning, content = self._split_text(index, s["text"], s["finish_reason"] is not None)
-                if self._split is not None and not (
-                    reasoning or content or s["finish_reason"] or s["logprobs"]
-                ):
-                    continue  # all held back (a possible partial tag)
-                delta = ChatDelta(content=content, reasoning_content=reasoning or None)
-                if self._split is not None and not content:
-                    delta.content = None
-                choices.append(
-                    ChatChunkChoice(
-                        index=index,
-                        delta=delta,
-                        logprobs=shapes.chat_logprobs(s["logprobs"]) if s["logprobs"] else None,
-                        finish_reason=s["finish_reason"],
-                    )
-                )
+            indexed = [(prompt_index * self.n + s["index"], s) for s in samples]
+            choices = [c for i, s in indexed if (c := self._choice[i].chunk_choice(i, s)) is not None]
             return (events + self._chat_chunk(choices, usage)) if choices else (events or None)
         choices = []
         for s in samples:
@@ -245,31 +225,27 @@ class ResponseAssembler:
         self.record_usage(prompt_index, item)
         for s in item["outputs"]:
             index = prompt_index * self.n + s["index"]
-            if self.chat and self._split is not None:
-                reasoning, content = self._split_text(index, s["text"], s["finish_reason"] is not None)
-                self._reasoning[index].append(reasoning)
-                self._text[index].append(content)
+            finish = s["finish_reason"]
+            if self.chat:
+                finish = self._choice[index].add(s)
             else:
                 self._text[index].append(s["text"])
             if s["logprobs"]:
                 self._logprobs[index].extend(s["logprobs"])
-            if s["finish_reason"]:
-                self._finish[index] = s["finish_reason"]
+            if finish:
+                self._finish[index] = finish
 
     def final(self) -> dict:
         if self.chat:
             choices = [
                 ChatChoice(
                     index=i,
-                    message=ChatResponseMessage(
-                        content="".join(self._text[i]),
-                        reasoning_content="".join(self._reasoning[i]) or None,
-                    ),
+                    message=self._choice[i].message(),
                     logprobs=shapes.chat_logprobs(self._logprobs[i]) if self.logprobs else None,
                     finish_reason=self._finish[i],
                     prompt_logprobs=self._prompt_parts(i // self.n)[2],
                 )
-                for i in range(len(self._text))
+                for i in range(len(self._choice))
             ]
             body = ChatCompletionResponse(
                 id=self.id, created=self.created, model=self.model, choices=choices, usage=self.usage()
@@ -293,6 +269,9 @@ class ResponseAssembler:
             )
         payload = body.model_dump()
         _drop_prompt_logprobs(payload, self.prompt_logprobs)
+        for c in payload["choices"] if self.chat else ():
+            if c["message"]["tool_calls"] is None:  # the key only where there are calls
+                del c["message"]["tool_calls"]
         return payload
 
 

@@ -9,6 +9,9 @@ Where the template comes from, first match wins:
   2. "chat_template" in tokenizer_config.json (a string, or a list of named templates: "default"),
   3. chat_template.json {"chat_template": ...} (older processor checkpoints),
   4. engine/templates/<family>.jinja for the family named by config.json's model_type.
+A conversation with `tools` whose template never mentions them (Gemma 3's own template, for one) is
+rendered with the family's template from engine/templates/ instead, which renders tools; without one it
+is refused (InvalidRequestError naming `tools`): tools are never dropped silently.
 """
 
 from __future__ import annotations
@@ -130,11 +133,17 @@ class ChatTemplate:
     """A compiled template plus the special-token strings (bos_token, eos_token, ...) it may reference."""
 
     def __init__(
-        self, source: str, special_tokens: Mapping[str, str] | None = None, origin: str = "<string>"
+        self,
+        source: str,
+        special_tokens: Mapping[str, str] | None = None,
+        origin: str = "<string>",
+        family: str | None = None,
     ):
         self.source = source
         self.origin = origin
         self.special_tokens = dict(special_tokens or {})
+        self.family = family  # our template family, for tools the template does not render
+        self.renders_tools = "tools" in source
         try:
             self._template = compile_template(source)
         except jinja2.TemplateSyntaxError as exc:
@@ -143,7 +152,7 @@ class ChatTemplate:
     @classmethod
     def from_dir(cls, model_dir: str | Path, special_tokens: Mapping[str, str] | None = None) -> ChatTemplate:
         source, origin = find_template_source(model_dir)
-        return cls(source, special_tokens, origin)
+        return cls(source, special_tokens, origin, model_family(model_dir))
 
     def render(
         self,
@@ -164,6 +173,10 @@ class ChatTemplate:
                 "continue_final_message: cannot be combined with add_generation_prompt=true",
                 "continue_final_message",
             )
+        if kwargs.get("tools") and not self.renders_tools:
+            return self._tools_template().render(
+                messages, add_generation_prompt, continue_final_message, **kwargs
+            )
         variables = {**self.special_tokens, **kwargs}
         variables.setdefault("tools", None)
         variables.setdefault("documents", None)
@@ -176,6 +189,17 @@ class ChatTemplate:
                 f"chat template from {self.origin} rejected the messages: {exc}", "messages"
             ) from exc
         return _cut_after_final_message(text, messages) if continue_final_message else text
+
+    def _tools_template(self) -> ChatTemplate:
+        """The family's own template (engine/templates/), for a request with tools."""
+        if self.family is None:
+            raise InvalidRequestError(
+                f"tools: the chat template from {self.origin} does not render tools, and the model's "
+                "family has no template of ours that does",
+                "tools",
+            )
+        path = TEMPLATE_DIR / f"{self.family}.jinja"
+        return ChatTemplate(family_template(self.family), self.special_tokens, str(path), self.family)
 
 
 def _cut_after_final_message(text: str, messages: list[dict]) -> str:

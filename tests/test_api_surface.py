@@ -157,11 +157,9 @@ def test_assembler_streams_reasoning_and_continuous_usage():
 
 
 def test_field_policy_units():
-    with pytest.raises(Exception, match="does not support tools"):
-        reject_unsupported({"tools": [{"type": "function"}]}, CHAT_UNSUPPORTED)
-    kept = reject_unsupported(
-        {"tool_choice": "none", "response_format": {"type": "text"}, "n": 1}, CHAT_UNSUPPORTED
-    )
+    with pytest.raises(Exception, match="does not support functions"):
+        reject_unsupported({"functions": [{"name": "f"}]}, CHAT_UNSUPPORTED)
+    kept = reject_unsupported({"function_call": None, "n": 1}, CHAT_UNSUPPORTED)
     assert kept == {"n": 1}  # values that ask for nothing are dropped
     assert "did you mean 'temperature'" in unknown_field_message(
         "temprature", "temprature", ["temperature", "top_p"]
@@ -520,11 +518,14 @@ def test_field_policy(server):
     assert _post(server, "/v1/completions", {**body, **ignored}).status_code == 200
     chat = {"model": server.model, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
     assert _post(server, "/v1/chat/completions", {**chat, "parallel_tool_calls": False}).status_code == 200
-    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    functions = [{"name": "f", "parameters": {}}]
     err = _error(
-        _post(server, "/v1/chat/completions", {**chat, "tools": tools}), 400, "tools", "unsupported_parameter"
+        _post(server, "/v1/chat/completions", {**chat, "functions": functions}),
+        400,
+        "functions",
+        "unsupported_parameter",
     )
-    assert "does not support tools" in err["message"]
+    assert "does not support functions" in err["message"] and "send tools" in err["message"]
     err = _error(
         _post(server, "/v1/completions", {**body, "suffix": "y"}), 400, "suffix", "unsupported_parameter"
     )

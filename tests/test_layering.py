@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # modules a server needs to speak to the engine (its config, its errors, its outputs). app/ imports
 # exactly these today: engine.config (EngineConfig), engine.core_client (CoreClient), engine.errors
 # (EngineError and subclasses), engine.outputs (RequestOutput), engine.sampling_params (SamplingParams,
-# ToolConfig, BudgetForcing).
+# ToolConfig, BudgetForcing, StructuredOutput).
 ENGINE_PUBLIC_MODULES = {
     "engine",
     "engine.config",
@@ -272,5 +272,6 @@ def test_what_app_takes_from_the_engine_today():
         ("engine.outputs", "RequestOutput"),
         ("engine.sampling_params", "BudgetForcing"),
         ("engine.sampling_params", "SamplingParams"),
+        ("engine.sampling_params", "StructuredOutput"),
         ("engine.sampling_params", "ToolConfig"),
     ]
