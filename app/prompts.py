@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from app.chat import ChatPrompt
-from engine.chat_template import ChatTemplateError
 from engine.errors import InvalidRequestError, PromptTooLongError
 from engine.sampling_params import SamplingParams
 
@@ -136,10 +135,7 @@ def tokenizer_info(tokenizer, max_model_len: int) -> dict:
     probe = tokenizer.encode("a")
     info["add_bos_token"] = bool(probe) and probe[0] == tokenizer.bos_token_id
     info["add_eos_token"] = bool(probe) and probe[-1] in tokenizer.eos_token_ids
-    try:
-        info["chat_template"] = tokenizer.chat_template.source
-    except ChatTemplateError:  # a checkpoint without any template still has a tokenizer
-        info["chat_template"] = None
+    info["chat_template"] = tokenizer.chat_template_source
     info["model_max_length"] = max_model_len
     info["vocab_size"] = tokenizer.vocab_size
     info["eos_token_ids"] = sorted(tokenizer.eos_token_ids)

@@ -13,7 +13,8 @@ to benchmarks/runs/ttft_check/ (git-ignored). About 5 minutes for two 60 s runs 
 Server p50 is interpolated inside the histogram bucket that holds the median (as Prometheus'
 histogram_quantile does), so it is only as fine as the buckets (5 ms wide between 10 and 60 ms); the
 median of the engine replica's one log line per request (first token in the replica, one hop before the
-ingress), and both means (the histogram's sum / count is exact), are reported next to it. Target: server p50 within 10% of Locust's p50.
+ingress), and both means (the histogram's sum / count is exact), are reported next to it. Target:
+server p50 within 10% of Locust's p50.
 """
 
 from __future__ import annotations

@@ -104,6 +104,16 @@ class Tokenizer:
             self._chat_template = ChatTemplate.from_dir(self.model_dir, self.hf.special_tokens_map)
         return self._chat_template
 
+    @property
+    def chat_template_source(self) -> str | None:
+        """The template's Jinja source, or None for a checkpoint without any (plain completions only)."""
+        from engine.chat_template import ChatTemplateError
+
+        try:
+            return self.chat_template.source
+        except ChatTemplateError:
+            return None
+
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
         return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, **kwargs)
 
