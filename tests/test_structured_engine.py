@@ -343,10 +343,15 @@ def test_on_the_gpu_with_graphs_and_async_scheduling(tiny_model_dir):
     reqs += mixed()
 
     def gpu_engine(**kw) -> LLMEngine:
-        return LLMEngine(EngineConfig.from_kwargs(str(tiny_model_dir), dtype="float32", device="cuda", **kw))
+        # a fixed pool (not a share of the free memory), so the second engine fits beside the first
+        config = EngineConfig.from_kwargs(
+            str(tiny_model_dir), dtype="float32", device="cuda", num_blocks=512, **kw
+        )
+        return LLMEngine(config)
 
     eng = gpu_engine()
     assert eng.runner.graphs is not None
     got = run(eng, reqs)
+    del eng
     check_outputs(cases, got[: len(cases)])
     assert got == run(gpu_engine(async_scheduling=False), reqs)

