@@ -31,7 +31,7 @@ from app.metrics import IngressMetrics
 from app.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from app.responses import ModelCard, ModelList
 from app.sse import DONE, ResponseAssembler, item_error, sse_error
-from app.structured import ToolChoice, require_engine_support
+from app.structured import ToolChoice
 from app.tool_calls import PARSERS, ToolParsing
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
@@ -147,7 +147,6 @@ class Ingress:
             return reject(request, self._unknown_model(body.model))
         try:
             prompts, params = body.prompts(), body.sampling_params()
-            require_engine_support(params.structured)
         except InvalidRequestError as exc:
             return reject(request, from_engine_error(exc, self._retry_after))
         out = ResponseAssembler(
@@ -171,7 +170,6 @@ class Ingress:
         try:
             params, prompt = body.sampling_params(self._default_max_tokens), body.chat_prompt()
             tools = self._tool_parsing(body.constraints()[1])
-            require_engine_support(params.structured)
         except InvalidRequestError as exc:
             return reject(request, from_engine_error(exc, self._retry_after))
         out = ResponseAssembler(

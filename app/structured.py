@@ -17,7 +17,6 @@ Invariants:
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 from dataclasses import dataclass
@@ -225,14 +224,3 @@ def resolve(
             "the format and call tools; drop one (or set tool_choice to 'none')",
         )
     return forced or constraint, mode
-
-
-def require_engine_support(constraint: StructuredOutput | None) -> None:
-    """Refuse a constraint the engine cannot enforce, rather than ignore it: an engine without its
-    structured-output module (engine/structured.py, the engine half of issue 28) is told nothing."""
-    if constraint is not None and importlib.util.find_spec("engine.structured") is None:
-        raise fail(
-            constraint.field,
-            "this server's engine cannot enforce structured output (engine.structured is missing), so the "
-            "constraint is refused instead of ignored",
-        )

@@ -4,13 +4,11 @@ SDK and LangChain's ChatOpenAI.
 One server (Ray Serve, serve_config.yaml, `tool_call_parser: auto` -> llama3_json for the tiny Llama)
 runs for the module, on a copy of the tiny model whose template is the current engine/templates/
 llama.jinja. The model is random: without a constraint its text is noise, so those tests check shapes
-only. Tests that need the constraint enforced need the engine half (engine.structured) and are skipped
-without it; until then a constraint is refused with a 400 naming its field (tested here too).
+only; with one, every output that finishes must validate.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import shutil
@@ -26,7 +24,6 @@ from tests.serving_fixtures import Server, start_server, stop_server
 from tests.test_clients import _run_client
 
 pytestmark = [pytest.mark.serving, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
-ENGINE_ENFORCES = importlib.util.find_spec("engine.structured") is not None
 WEATHER = {
     "type": "function",
     "function": {
@@ -93,7 +90,7 @@ def _sdk_stream(client: openai.OpenAI, kw: dict):
         return stream.current_completion_snapshot.choices[0]
 
 
-# ---------------------------------------------------------------- without the engine half
+# ---------------------------------------------------------------- shapes and refusals
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -115,13 +112,9 @@ def test_conflicts_and_bad_options_are_400_before_any_byte(server, fields, param
 
 
 def test_constraint_is_never_ignored(server):
-    """Without the engine half a constraint is refused; with it, it is taken."""
     body = {"model": server.model, "prompt": "x", "max_tokens": 4, "structured_outputs": {"regex": "[ab]+"}}
     resp = _post(server, "/v1/completions", body)
-    if ENGINE_ENFORCES:
-        assert resp.status_code == 200 and set(resp.json()["choices"][0]["text"]) <= {"a", "b"}
-    else:
-        assert "refused instead of ignored" in _error(resp, 400, "structured_outputs.regex")["message"]
+    assert resp.status_code == 200 and set(resp.json()["choices"][0]["text"]) <= {"a", "b"}
 
 
 def test_auto_tools_with_the_sdk_streaming_and_not(client, server):
@@ -176,15 +169,10 @@ print(json.dumps({"type": msg.type, "tool_calls": msg.tool_calls}))
 """
 
 
-# ---------------------------------------------------------------- with the engine half
+# ---------------------------------------------------------------- constraints enforced
 
 
-@pytest.fixture
-def enforced():
-    pytest.importorskip("engine.structured")
-
-
-def test_json_schema_and_parse(client, server, enforced):
+def test_json_schema_and_parse(client, server):
     schema = Weather.model_json_schema()
     fmt = {"type": "json_schema", "json_schema": {"name": "weather", "schema": schema, "strict": True}}
     kw = {"model": server.model, "messages": ASK, "max_tokens": 96, "temperature": 0}
@@ -211,12 +199,12 @@ def test_json_schema_and_parse(client, server, enforced):
           "tool_choice": "required"}, "tools"),
     ],
 )  # fmt: skip
-def test_what_the_engine_cannot_compile_is_400_naming_the_field(server, fields, param, stream, enforced):
+def test_what_the_engine_cannot_compile_is_400_naming_the_field(server, fields, param, stream):
     _error(_post(server, "/v1/chat/completions", _chat(server, stream=stream, **fields)), 400, param)
 
 
 @pytest.mark.parametrize("so", [{"regex": "(yes|no)[0-9]{2}"}, {"choice": ["red", "green"]}])
-def test_structured_outputs_extra_body(client, server, so, enforced):
+def test_structured_outputs_extra_body(client, server, so):
     out = client.completions.create(
         model=server.model, prompt="x", max_tokens=8, temperature=0, extra_body={"structured_outputs": so}
     )
@@ -226,7 +214,7 @@ def test_structured_outputs_extra_body(client, server, so, enforced):
 
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
-def test_required_and_named_tool_choice(client, server, choice, stream, enforced):
+def test_required_and_named_tool_choice(client, server, choice, stream):
     """One call (parallel_tool_calls false; a named function allows one anyway): with several allowed,
     the greedy random model repeats valid calls until max_tokens."""
     jsonschema = pytest.importorskip("jsonschema")
@@ -250,7 +238,7 @@ def test_required_and_named_tool_choice(client, server, choice, stream, enforced
         jsonschema.validate(json.loads(call.function.arguments), params)
 
 
-def test_langchain_structured_output_and_required_tools(server, enforced):
+def test_langchain_structured_output_and_required_tools(server):
     out = _run_client("langchain_openai", LANGCHAIN_ENFORCED, server.url, server.model)
     Weather.model_validate(out["structured"])
     for key in ("required", "named"):
