@@ -27,8 +27,9 @@ from engine.faults import FaultInjector
 from engine.grammar_state import GrammarState
 from engine.model_runner import DeferredSample, ModelRunner
 from engine.output_processor import OutputProcessor, PromptLogprobs
-from engine.outputs import CompletionDelta, RequestOutput
+from engine.outputs import RequestOutput
 from engine.request import Request
+from engine.request_outputs import OutputBuilder
 from engine.sampler import PendingSample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
@@ -54,7 +55,6 @@ class LLMEngine:
         self.processor = OutputProcessor(self.tokenizer, eos, self.max_model_len, self.faults, detokenize)
         self.detokenize = detokenize
         self.prompt_logprobs = PromptLogprobs()  # of requests with SamplingParams.prompt_logprobs
-        self._prompt_ready = self.prompt_logprobs.ready  # read for every output: empty almost always
         sc = config.scheduler
         self.limits = admission.Limits(
             self.max_model_len, mc.vocab_size, self.block_manager.num_blocks, self.block_manager.block_size,
@@ -75,6 +75,9 @@ class LLMEngine:
             "prompt_tokens_total": 0,
             "generation_tokens_total": 0,
         }
+        self.outputs = OutputBuilder(
+            self.processor, self.prompt_logprobs, self.requests, self.stats, detokenize
+        )  # fmt: skip
         # What exists now (model, tokenizer, torch and Triton state) lives as long as the engine. Frozen,
         # it is out of the cyclic collector's reach: otherwise each full collection scans all of it and
         # stalls the step loop (0.25-0.3 s once per workload-(c) run on an H200 host; vLLM does the same).
@@ -114,12 +117,12 @@ class LLMEngine:
     def abort(self, request_id: str) -> RequestOutput | None:
         """Finish the request now and free its blocks; returns its final output (or None if unknown)."""
         request = self._abort(request_id)
-        return self._finish_output(request) if request is not None else None
+        return self.outputs.finish_output(request) if request is not None else None
 
     def abort_record(self, request_id: str) -> Record | None:
         """`abort` for the engine core: the request's final record instead of a RequestOutput."""
         request = self._abort(request_id)
-        return self._finish_record(request) if request is not None else None
+        return self.outputs.finish_record(request) if request is not None else None
 
     def stop_sample(self, request_id: str, index: int) -> None:
         """Finish one sample now: its caller found a stop string in its text (the engine core's replica
@@ -152,7 +155,7 @@ class LLMEngine:
         A decode step also gets its successor launched behind it (`_launch_ahead`) before its tokens
         are waited for: the next call runs that one instead of scheduling afresh.
         """
-        return self._step(self._emit, self._finish_output)
+        return self._step(self._emit, self.outputs.finish_output)
 
     def step_records(self) -> list[Record]:
         """`step` for the engine core: compact per-request records of token ids, no text, no objects.
@@ -160,7 +163,7 @@ class LLMEngine:
         Records are cheap, so they are made right after this step's tokens arrive rather than during
         the next step: a token reaches the caller one step sooner (the device meanwhile runs the step
         launched ahead, when there is one)."""
-        return self._step(self._emit_records, self._finish_record, emit_first=False)
+        return self._step(self._emit_records, self.outputs.finish_record, emit_first=False)
 
     def _step(
         self, emit: Callable[[], list], finish: Callable[[Request], object], emit_first: bool = True
@@ -263,17 +266,13 @@ class LLMEngine:
             except Exception as exc:
                 self._fail(request, f"{type(exc).__name__}: {exc}", exc)
                 continue
-            outputs.append(self._make_output(request))
+            outputs.append(self.outputs.output(request))
         return outputs
 
     def _emit_records(self) -> list[Record]:
         """Records of every live request that got tokens in the previous step (no text work)."""
         touched, self._touched = self._touched, {}
-        return [
-            self._finish_record(r) if r.finished else self._record(r)
-            for r in touched.values()
-            if r.request_id in self.requests
-        ]
+        return [self.outputs.record(r) for r in touched.values() if r.request_id in self.requests]
 
     def _fail_chunks(self, out: SchedulerOutput, exc: Exception) -> None:
         for request in {id(c.seq.request): c.seq.request for c in out.chunks}.values():
@@ -288,75 +287,6 @@ class LLMEngine:
             seq.error = message
         self.scheduler.abort(request, "error")
         self._failed.append(request)
-
-    # ------------------------------------------------------------------ outputs
-    def _make_output(self, request: Request) -> RequestOutput:
-        if request.finished:
-            return self._finish_output(request)
-        return self._output(request)
-
-    def _finish_output(self, request: Request) -> RequestOutput:
-        self.requests.pop(request.request_id, None)
-        request.metrics.finished_time = time.time()
-        self.stats["generation_tokens_total"] += request.completion_tokens
-        output = self._output(request)
-        if request.params.prompt_logprobs is not None:
-            self.prompt_logprobs.drop(request)
-        return output
-
-    def _output(self, request: Request) -> RequestOutput:
-        deltas = [
-            CompletionDelta(index, ids, text, logprobs, masks, reason, error)
-            for index, ids, masks, logprobs, reason, error, text in self._take_samples(request)
-        ]
-        return RequestOutput(
-            request.request_id,
-            deltas,
-            request.finished,
-            request.num_prompt,
-            request.completion_tokens,
-            request.cached_tokens,
-            request.metrics,
-            self._prompt_ready.pop(request, None) if self._prompt_ready else None,
-        )
-
-    def _finish_record(self, request: Request) -> Record:
-        self.requests.pop(request.request_id, None)
-        self.stats["generation_tokens_total"] += request.completion_tokens
-        record = self._record(request)
-        if request.params.prompt_logprobs is not None:
-            self.prompt_logprobs.drop(request)
-        return record
-
-    def _record(self, request: Request) -> Record:
-        samples, m = list(self._take_samples(request)), request.metrics
-        times = (m.first_scheduled_time, m.first_token_time) if request.finished else None
-        # the prompt logprobs once, on the first record after the prompt was scored
-        prompt_lps = self._prompt_ready.pop(request, None) if self._prompt_ready else None
-        return request.request_id, samples, request.finished, request.cached_tokens, times, prompt_lps
-
-    def _take_samples(self, request: Request):
-        """Per sample with news: (index, ids, masks, logprobs, finish reason, error, text or stop-token
-        flag). The pending tokens are handed over. Text only when this engine detokenizes; otherwise the
-        last field says whether the final token is a stop token / EOS, which is never part of the text."""
-        want_logprobs = request.params.logprobs is not None
-        for seq in request.seqs:
-            st = seq.state
-            final = seq.finished and not st.reported
-            if not (st.pending_ids or final):
-                continue
-            last = self.processor.take_text(seq, seq.finished) if self.detokenize else st.ends_with_stop_token
-            yield (
-                seq.index,
-                st.pending_ids,
-                st.pending_masks,
-                st.pending_logprobs if want_logprobs else None,
-                seq.finish_reason if final else None,
-                seq.error if final else None,
-                last,
-            )
-            st.pending_ids, st.pending_masks, st.pending_logprobs = [], [], []
-            st.reported = seq.finished
 
     # ------------------------------------------------------------------ introspection
     def audit(self) -> list[str]:
