@@ -30,6 +30,7 @@ from app.reasoning import ThinkSplitter
 from app.sse import ResponseAssembler
 from engine.sampling_params import SamplingParams
 from tests.serving_fixtures import ROOT, Server, start_server, stop_server
+from tests.wire_items import wire_item
 
 pytestmark = [pytest.mark.serving, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 PROMPT = "The quick brown fox jumps over the lazy dog"
@@ -112,23 +113,7 @@ def test_token_offsets_in_the_echoed_prompt(texts, text, special, expected):
 
 
 def _item(text, completion, finish=None, prompt_tokens=4):
-    sample = {
-        "index": 0,
-        "text": text,
-        "token_ids": [],
-        "logprobs": None,
-        "finish_reason": finish,
-        "error": None,
-    }
-    return {
-        "kind": "output",
-        "outputs": [sample],
-        "finished": finish is not None,
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion,
-        "cached_tokens": 0,
-        "prompt_logprobs": None,
-    }
+    return wire_item(text, completion, finish, prompt_tokens)
 
 
 def _payloads(events: str) -> list[dict]:

@@ -19,6 +19,7 @@ from app.sse import ResponseAssembler  # noqa: E402
 from app.tool_calls import ToolParsing, make_parser, resolve_parser  # noqa: E402
 from engine.errors import InvalidRequestError  # noqa: E402
 from engine.sampling_params import StructuredOutput  # noqa: E402
+from tests.wire_items import wire_item  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 TOOLS = [
@@ -372,16 +373,7 @@ def test_parser_choice_by_family():
 
 
 def _item(text: str, completion: int, finish: str | None = None) -> dict:
-    sample = {
-        "index": 0,
-        "text": text,
-        "token_ids": [],
-        "logprobs": None,
-        "finish_reason": finish,
-        "error": None,
-    }
-    return {"kind": "output", "outputs": [sample], "finished": finish is not None, "prompt_tokens": 3,
-            "completion_tokens": completion, "cached_tokens": 0, "prompt_logprobs": None}  # fmt: skip
+    return wire_item(text, completion, finish, prompt_tokens=3)
 
 
 def _run(kind: str, text: str, step: int, parallel: bool = True, reasoning: str = "off"):
