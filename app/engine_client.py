@@ -5,15 +5,24 @@ item (accepted, or an ApiError), so the caller knows the HTTP status before it s
 stream keeps its accepted item (`accepted`: prompt facts the replica reports, app/prompts.py). `merge`
 then yields (prompt index, item) pairs as they arrive. A failed Ray call (replica gone, backpressure)
 becomes an ApiError item, so the caller has a single error path. `cancel` on a stream that has not
-finished cancels the engine request (the replica's generator sees CancelledError and aborts).
+finished cancels the engine request (the replica's generator sees CancelledError and aborts), and
+also sends the replica an explicit abort, because Serve now and then loses that cancellation
+(app/aborts.py).
+
+`StreamsResponse` streams SSE and cancels its engine streams when the response ends in any way. The
+body generator's own `finally` is not enough: a client that leaves before the response headers are
+sent makes Starlette give up before it ever starts the generator, and a never-started generator runs
+no `finally`, so the engine requests would generate to their end.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
+from fastapi.responses import StreamingResponse
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
@@ -23,6 +32,7 @@ from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("ray.serve")
 Item = dict | ApiError
+ABORT_BATCH_S = 0.05  # explicit aborts wait this long to share one call (Serve's own cancel goes at once)
 
 
 def call_failure(exc: BaseException, retry_after: int) -> ApiError:
@@ -39,8 +49,16 @@ def call_failure(exc: BaseException, retry_after: int) -> ApiError:
 class EngineStream:
     """One engine request's item stream, tagged with its prompt index."""
 
-    def __init__(self, index: int, gen: DeploymentResponseGenerator, retry_after: int):
-        self.index, self.gen, self.retry_after = index, gen, retry_after
+    def __init__(
+        self,
+        index: int,
+        request_id: str,
+        gen: DeploymentResponseGenerator,
+        abort: Callable[[str], None],
+        retry_after: int,
+    ):
+        self.index, self.request_id, self.gen, self.retry_after = index, request_id, gen, retry_after
+        self._abort = abort
         self.done = False  # the engine side has returned: nothing to cancel
         self.accepted: dict = {}  # the first item, once `open` has it
 
@@ -48,6 +66,7 @@ class EngineStream:
         if not self.done:
             self.done = True
             self.gen.cancel()
+            self._abort(self.request_id)
 
     async def next(self) -> Item:
         """The next item; the stream is done after an ApiError or the finished output."""
@@ -67,7 +86,24 @@ class EngineClient:
     def __init__(self, handle: DeploymentHandle, retry_after: int):
         self.handle = handle
         self._stream = handle.options(stream=True)  # built once: options() per request is not free
+        self._abort_method = handle.abort
+        self._aborts: list[str] = []
         self._retry_after = retry_after
+
+    def _abort(self, request_id: str) -> None:
+        """Queue an abort; one call carries all those queued within ABORT_BATCH_S. A Serve call costs the
+        ingress about a millisecond: one per cancelled stream would, in a disconnect storm, put seconds
+        of backlog in front of every other request."""
+        if not self._aborts:
+            # scheduled in an empty context: inside the cancelled request's own context Serve would count
+            # the call as that request's child, and cancel it along with its parent
+            loop = asyncio.get_running_loop()
+            loop.call_later(ABORT_BATCH_S, self._send_aborts, context=contextvars.Context())
+        self._aborts.append(request_id)
+
+    def _send_aborts(self) -> None:
+        ids, self._aborts = self._aborts, []
+        self._abort_method.remote(ids)
 
     async def open(
         self,
@@ -80,12 +116,11 @@ class EngineClient:
         """Start one engine request per prompt; return the streams once all accepted, else the first error.
         arrival_time: the ingress's time.time() at the request's arrival (the latency metrics' origin)."""
         generate = self._stream.generate
-        streams = [
-            EngineStream(
-                i, generate.remote(p, params, f"{request_id}-{i}", arrival_time, echo), self._retry_after
-            )
-            for i, p in enumerate(prompts)
-        ]
+        streams = []
+        for i, p in enumerate(prompts):
+            rid = f"{request_id}-{i}"
+            gen = generate.remote(p, params, rid, arrival_time, echo)
+            streams.append(EngineStream(i, rid, gen, self._abort, self._retry_after))
         try:
             firsts = await asyncio.gather(*(s.next() for s in streams))
         except BaseException:  # cancelled (client gone) while waiting: release the engine requests
@@ -103,6 +138,20 @@ class EngineClient:
 def cancel_all(streams: list[EngineStream]) -> None:
     for s in streams:
         s.cancel()
+
+
+class StreamsResponse(StreamingResponse):
+    """An SSE response over engine streams; the streams are cancelled when it ends, however it ends."""
+
+    def __init__(self, body: AsyncIterator[str], streams: list[EngineStream]):
+        super().__init__(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.streams = streams
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            cancel_all(self.streams)
 
 
 async def merge(streams: list[EngineStream]) -> AsyncIterator[tuple[int, Item]]:

@@ -19,7 +19,8 @@ items are coalesced by load (`Pacer`): the first output of a stream is yielded a
 ones wait until the stream's interval has passed, so that all open streams together yield at most
 `stream_items_per_s` items a second (and each at most one per `stream_interval_ms`).
 Cancellation: when the caller goes away, Serve cancels this generator (asyncio.CancelledError at the
-`await`), and the `finally` aborts the request: the core frees its KV blocks at its next step.
+`await`), and the `finally` aborts the request: the core frees its KV blocks at its next step. The
+ingress also calls `abort` itself, because Serve now and then loses that cancellation (app/aborts.py).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from collections.abc import AsyncIterator
 from ray import serve
 
 from app import prompts
+from app.aborts import EarlyAborts
 from app.chat import ChatPrompt
 from app.errors import ApiError, from_engine_error, internal, overloaded
 from app.metrics import ServerMetrics
@@ -100,6 +102,7 @@ class EngineDeployment:
 
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop serving `generate`, set on first use
         self._streams: dict[str, Stream] = {}
+        self._early_aborts = EarlyAborts()
         self._flush_scheduled = False
         # Several threads share this process's GIL (the event loop, the core client's reader, Ray's own):
         # a thread woken by I/O should not wait the default 5 ms for the running one to yield.
@@ -128,6 +131,8 @@ class EngineDeployment:
         """arrival_time: when the ingress received the request (time.time()), the origin of the TTFT,
         queue and e2e histograms. echo: the accepted item carries the prompt's tokens (app/prompts.py)."""
         received = time.time()
+        if self._early_aborts.take(request_id):
+            return  # the ingress gave up on it before it came: nobody reads this stream
         submitted = self._submit(prompt, params, request_id, arrival_time, echo)
         if isinstance(submitted, ApiError):
             yield submitted
@@ -145,6 +150,16 @@ class EngineDeployment:
             if not finished:  # cancelled by the caller (client disconnect) or failed mid-way
                 self.engine.abort(rid)
                 self._schedule_flush()
+
+    async def abort(self, request_ids: list[str]) -> None:
+        """The ingress gave up on these requests (their clients left); see app/aborts.py."""
+        for rid in request_ids:
+            stream = self._streams.get(rid)
+            if stream is None:
+                self._early_aborts.add(rid)
+            else:  # its generator ends, and its `finally` aborts it in the engine
+                stream.abandoned = True
+                stream.wake.set()
 
     def _submit(
         self, prompt, params: SamplingParams, request_id: str | None, arrival_time: float | None, echo: bool
@@ -189,6 +204,8 @@ class EngineDeployment:
         last_yield: float | None = None
         while True:
             await stream.wake.wait()
+            if stream.abandoned:
+                return
             if last_yield is not None and not stream.outs[-1].finished:
                 delay = last_yield + self._pacer.interval(len(self._streams)) - time.perf_counter()
                 if delay > 0:

@@ -19,12 +19,12 @@ import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from app import security
-from app.engine_client import EngineClient, EngineStream, call_failure, cancel_all, merge
+from app.engine_client import EngineClient, EngineStream, StreamsResponse, call_failure, cancel_all, merge
 from app.errors import ApiError, from_engine_error, internal
 from app.http_errors import install_error_handlers, reject
 from app.metrics import IngressMetrics
@@ -255,11 +255,7 @@ class Ingress:
             out.set_prompt(s.index, s.accepted)
         ttft = FirstText(self._metrics, arrival)
         if body.stream:
-            return StreamingResponse(
-                self._sse(streams, out, body.include_usage, ttft),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache"},
-            )
+            return StreamsResponse(self._sse(streams, out, body.include_usage, ttft), streams)
         try:
             async for index, item in merge(streams):
                 err = item if isinstance(item, ApiError) else item_error(item)

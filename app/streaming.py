@@ -86,7 +86,7 @@ class Pacer:
 class Stream:
     """One request's outputs waiting to be yielded; filled by `_fan_out` on the event loop."""
 
-    __slots__ = ("outs", "wake", "prev_token_t", "gap_sum", "gaps", "received")
+    __slots__ = ("outs", "wake", "prev_token_t", "gap_sum", "gaps", "received", "abandoned")
 
     def __init__(self, received: float = 0.0) -> None:
         self.received = received  # time.time() when this replica got the request (engine TTFT origin)
@@ -94,3 +94,4 @@ class Stream:
         self.wake = asyncio.Event()
         self.prev_token_t: float | None = None  # when the last step that brought tokens reached us
         self.gap_sum, self.gaps = 0.0, 0  # inter-token gaps since the last yield
+        self.abandoned = False  # the ingress aborted it: end the stream without a final output

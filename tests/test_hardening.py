@@ -330,6 +330,34 @@ def test_disconnect_storm_frees_every_block_within_a_second(server, http):
     assert report["stats_after"]["num_aborts"] - aborts >= cuts["first_token"] + cuts["mid_stream"]
 
 
+def test_ingress_abort_ends_a_stream_whose_serve_cancellation_was_lost(server, http):
+    """Serve now and then drops the cancellation of an engine call that races its start (app/aborts.py).
+    Here the call is never cancelled at all, as when that happens, and only the explicit abort is sent:
+    the replica must end the stream and free its blocks, and refuse a call whose abort came first."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle("EngineDeployment", app_name="minserve")
+    params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    before = http.get("/v1/engine/stats").json()
+    gen = handle.options(stream=True).generate.remote(list(range(10, 40)), params, "lost-cancel-1")
+    assert next(gen)["kind"] == "accepted"
+    assert next(gen)["kind"] == "output"  # generating
+    handle.abort.remote(["lost-cancel-1"]).result()
+    t0 = time.monotonic()
+    rest = list(gen)  # ends without a finished item: nobody was meant to read it
+    assert not any(item["finished"] for item in rest) and time.monotonic() - t0 < 1.0, rest[-1:]
+    stats = wait_idle(server.url, timeout_s=1.0, headers=server.headers)
+    assert stats["kv_blocks_used"] == 0 and stats["ongoing_requests"] == 0, stats
+    assert stats["num_aborts"] == before["num_aborts"] + 1
+
+    handle.abort.remote(["lost-cancel-2"]).result()  # the abort overtakes its call
+    late = handle.options(stream=True).generate.remote(list(range(50, 70)), params, "lost-cancel-2")
+    assert list(late) == []
+    after = http.get("/v1/engine/stats").json()
+    assert after["prompt_tokens_total"] == stats["prompt_tokens_total"]  # the engine never saw it
+    assert http.get("/v1/engine/audit").json()["problems"] == []
+
+
 @pytest.mark.slow
 def test_soak_2min_w2(server, tmp_path):
     args = soak.parse_args(
