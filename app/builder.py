@@ -68,6 +68,14 @@ class AppArgs(BaseModel):
     null_core_step_ms: float | None = Field(
         None, gt=0, description="benchmarks only: a core without a model, one token per stream per step"
     )
+    prefix_aware_routing: bool | None = Field(
+        None,
+        description="route each request to the engine replica that holds most of its prefix (app/router.py); "
+        "default: on when there can be more than one engine replica",
+    )
+    routing_stats_period_s: float = Field(
+        1.0, gt=0, description="how often each engine replica publishes its prefix-cache summary"
+    )
 
 
 def _cuda_available() -> bool:
@@ -89,9 +97,10 @@ def resolve_model_dir(path: str) -> str:
 def build_app(args: AppArgs) -> Application:
     model = resolve_model_dir(args.model)
     try:
-        EngineConfig.from_kwargs(model, **args.engine)
+        block_size = EngineConfig.from_kwargs(model, **args.engine).cache.block_size
     except (TypeError, ValueError) as exc:
         raise ValueError(f"args.engine: {exc}") from exc
+    routing = _routing(args)
     num_gpus = args.num_gpus if args.num_gpus is not None else (1 if _cuda_available() else 0)
     scaling: dict[str, Any] = (
         {"autoscaling_config": args.autoscaling_config}
@@ -103,6 +112,7 @@ def build_app(args: AppArgs) -> Application:
         ray_actor_options={"num_gpus": num_gpus, "num_cpus": args.engine_num_cpus},
         max_ongoing_requests=args.max_ongoing_requests + _CONTROL_HEADROOM,
         **scaling,
+        **routing,
     ).bind(
         model=model,
         engine_options=args.engine,
@@ -128,7 +138,26 @@ def build_app(args: AppArgs) -> Application:
         max_body_bytes=args.max_body_bytes,
         reasoning_parser=args.reasoning_parser,
         tool_call_parser=resolve_parser(args.tool_call_parser, _model_type(model)),
+        prefix_keys={"model_dir": model, "block_size": block_size} if routing else None,
     )
+
+
+def _routing(args: AppArgs) -> dict[str, Any]:
+    """The engine deployment's request router options: prefix-aware where there can be several replicas."""
+    scaling = args.autoscaling_config
+    most = scaling.get("max_replicas", 1) if scaling else args.num_replicas
+    if not (args.prefix_aware_routing if args.prefix_aware_routing is not None else most > 1):
+        return {}
+    from ray.serve.config import RequestRouterConfig
+
+    from app.router import PrefixAwareRouter
+
+    config = RequestRouterConfig(
+        request_router_class=PrefixAwareRouter,
+        request_routing_stats_period_s=args.routing_stats_period_s,
+        request_routing_stats_timeout_s=max(5.0, 5 * args.routing_stats_period_s),
+    )
+    return {"request_router_config": config}
 
 
 def _model_type(model: str) -> str | None:

@@ -21,6 +21,7 @@ import asyncio
 import contextvars
 import logging
 from collections.abc import AsyncIterator, Callable
+from functools import partial
 
 from fastapi.responses import StreamingResponse
 from ray.exceptions import RayActorError
@@ -28,10 +29,13 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from app.errors import ApiError, internal, overloaded
+from app.prefix_keys import PrefixKeys
+from app.router import HASHES_KWARG, replica_of
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("ray.serve")
 Item = dict | ApiError
+RETRIES_UNSTARTED = 2  # engine calls made again when their replica died before accepting them
 ABORT_BATCH_S = 0.05  # explicit aborts wait this long to share one call (Serve's own cancel goes at once)
 
 
@@ -83,8 +87,10 @@ class EngineStream:
 
 
 class EngineClient:
-    def __init__(self, handle: DeploymentHandle, retry_after: int):
+    def __init__(self, handle: DeploymentHandle, retry_after: int, prefix_keys: PrefixKeys | None = None):
+        """prefix_keys: with a prefix-aware router (app/router.py), each call carries its routing key."""
         self.handle = handle
+        self._keys = prefix_keys
         self._stream = handle.options(stream=True)  # built once: options() per request is not free
         self._abort_method = handle.abort
         self._aborts: list[str] = []
@@ -102,8 +108,13 @@ class EngineClient:
         self._aborts.append(request_id)
 
     def _send_aborts(self) -> None:
-        ids, self._aborts = self._aborts, []
-        self._abort_method.remote(ids)
+        """One call per replica the requests went to, as far as the router knows (app/router.py)."""
+        groups: dict[object, list[str]] = {}
+        for rid in self._aborts:
+            groups.setdefault(replica_of(rid), []).append(rid)
+        self._aborts = []
+        for ids in groups.values():
+            self._abort_method.remote(request_ids=ids)
 
     async def open(
         self,
@@ -116,13 +127,17 @@ class EngineClient:
         """Start one engine request per prompt; return the streams once all accepted, else the first error.
         arrival_time: the ingress's time.time() at the request's arrival (the latency metrics' origin)."""
         generate = self._stream.generate
-        streams = []
+        streams, calls = [], []
         for i, p in enumerate(prompts):
             rid = f"{request_id}-{i}"
-            gen = generate.remote(p, params, rid, arrival_time, echo)
-            streams.append(EngineStream(i, rid, gen, self._abort, self._retry_after))
+            key = {HASHES_KWARG: self._keys(p)} if self._keys is not None else {}
+            call = partial(
+                generate.remote, p, params, request_id=rid, arrival_time=arrival_time, echo=echo, **key
+            )
+            streams.append(EngineStream(i, rid, call(), self._abort, self._retry_after))
+            calls.append(call)
         try:
-            firsts = await asyncio.gather(*(s.next() for s in streams))
+            firsts = await asyncio.gather(*(_first(s, call) for s, call in zip(streams, calls)))
         except BaseException:  # cancelled (client gone) while waiting: release the engine requests
             cancel_all(streams)
             raise
@@ -133,6 +148,21 @@ class EngineClient:
         for s, first in zip(streams, firsts):
             s.accepted = first
         return streams
+
+
+async def _first(stream: EngineStream, call: Callable[[], DeploymentResponseGenerator]) -> Item:
+    """The stream's first item. A replica that died before accepting the request loses nothing yet:
+    the call is made again, and Serve routes it to a live replica (at most RETRIES_UNSTARTED times)."""
+    item = await stream.next()
+    for _ in range(RETRIES_UNSTARTED):
+        if not (isinstance(item, ApiError) and item.code == "engine_unavailable"):
+            break
+        logger.warning(
+            "engine call %s: its replica was gone before it started; calling again", stream.request_id
+        )
+        stream.gen, stream.done = call(), False
+        item = await stream.next()
+    return item
 
 
 def cancel_all(streams: list[EngineStream]) -> None:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import logging.handlers
 import os
 import sys
 import threading
@@ -41,6 +40,7 @@ from app.aborts import EarlyAborts
 from app.chat import ChatPrompt
 from app.errors import ApiError, from_engine_error, internal, overloaded
 from app.metrics import ServerMetrics
+from app.replica_support import flush_log_buffer, log_finished, rss_bytes
 from app.streaming import Pacer, Stream, to_wire
 from engine.config import EngineConfig
 from engine.errors import EngineError, PromptTooLongError
@@ -50,38 +50,6 @@ from engine.sampling_params import SamplingParams
 logger = logging.getLogger("ray.serve")
 ITL_FLUSH_S = 0.1
 SWITCH_INTERVAL_S = 0.001
-
-
-def _log_finished(out: RequestOutput) -> None:
-    """The one INFO line per request: how it ended, its sizes, and where its time went, from its arrival
-    at the ingress: first scheduled in the core, first token sampled in the core, first token here,
-    finished."""
-    m = out.metrics
-    ms = lambda t: f"{1000 * (t - m.arrival_time):.1f}" if t is not None else "-"
-    reasons = ",".join(sorted({d.finish_reason for d in out.outputs if d.finish_reason}))
-    logger.info(
-        "request %s %s: prompt %d, completion %d, cached %d tokens; "
-        "queue %s ms, engine ttft %s ms, ttft %s ms, e2e %s ms",
-        out.request_id, reasons or "finished", out.prompt_tokens, out.completion_tokens, out.cached_tokens,
-        ms(m.first_scheduled_time), ms(m.engine_token_time), ms(m.first_token_time), ms(m.finished_time),
-    )  # fmt: skip
-
-
-def _flush_log_buffer() -> None:
-    """Serve's throughput mode buffers a replica's log records (up to 1000, written when the buffer
-    fills): write them out once per stats interval, so a request's line shows within about a second."""
-    for handler in logger.handlers:
-        if isinstance(handler, logging.handlers.MemoryHandler):
-            handler.flush()
-
-
-def _rss_bytes(pid: int) -> int | None:
-    """Resident memory of a process (Linux /proc; None elsewhere or when it is gone)."""
-    try:
-        with open(f"/proc/{pid}/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError):
-        return None
 
 
 @serve.deployment(name="EngineDeployment", health_check_period_s=5, health_check_timeout_s=30)
@@ -127,9 +95,11 @@ class EngineDeployment:
         request_id: str | None = None,
         arrival_time: float | None = None,
         echo: bool = False,
+        prefix_hashes: list[int] | None = None,
     ) -> AsyncIterator[dict | ApiError]:
         """arrival_time: when the ingress received the request (time.time()), the origin of the TTFT,
-        queue and e2e histograms. echo: the accepted item carries the prompt's tokens (app/prompts.py)."""
+        queue and e2e histograms. echo: the accepted item carries the prompt's tokens (app/prompts.py).
+        prefix_hashes: the routing key, read by app/router.py only."""
         received = time.time()
         if self._early_aborts.take(request_id):
             return  # the ingress gave up on it before it came: nobody reads this stream
@@ -150,6 +120,18 @@ class EngineDeployment:
             if not finished:  # cancelled by the caller (client disconnect) or failed mid-way
                 self.engine.abort(rid)
                 self._schedule_flush()
+
+    def record_routing_stats(self) -> dict:
+        """Serve calls this every request_routing_stats_period_s; app/router.py reads the result."""
+        stride, hashes = self.engine.prefix_summary()
+        stats = self.engine.stats()
+        return {
+            "prefix_stride": stride,
+            "prefix_hashes": hashes,
+            "num_running": stats.get("num_running", 0),
+            "num_waiting": stats.get("num_waiting", 0),
+            "kv_blocks_used": stats.get("kv_blocks_used", 0),
+        }
 
     async def abort(self, request_ids: list[str]) -> None:
         """The ingress gave up on these requests (their clients left); see app/aborts.py."""
@@ -244,7 +226,7 @@ class EngineDeployment:
                 stream.prev_token_t = arrived
             if out.finished:
                 self._metrics.observe_finished(out, stream.received)
-                _log_finished(out)
+                log_finished(out)
             stream.outs.append(out)
             stream.wake.set()
 
@@ -262,13 +244,13 @@ class EngineDeployment:
                 if time.monotonic() >= next_stats:
                     next_stats += interval_s
                     self._metrics.update(self.engine.stats(), len(self._streams))
-                    _flush_log_buffer()
+                    flush_log_buffer()
             except Exception:  # metrics must never take the replica down
                 logger.exception("metrics update failed")
 
     def stats(self) -> dict:
         stats = self.engine.stats()
-        replica, core = _rss_bytes(os.getpid()), _rss_bytes(stats["core_pid"])
+        replica, core = rss_bytes(os.getpid()), rss_bytes(stats["core_pid"])
         return {
             **stats,
             "ongoing_requests": len(self._streams),

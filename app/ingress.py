@@ -28,6 +28,7 @@ from app.engine_client import EngineClient, EngineStream, StreamsResponse, call_
 from app.errors import ApiError, from_engine_error, internal
 from app.http_errors import install_error_handlers, reject
 from app.metrics import IngressMetrics
+from app.prefix_keys import PrefixKeys
 from app.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from app.responses import ModelCard, ModelList
 from app.sse import DONE, ResponseAssembler, item_error, sse_error
@@ -87,7 +88,10 @@ class Ingress:
         max_body_bytes: int = security.DEFAULT_MAX_BODY_BYTES,
         reasoning_parser: str | None = None,
         tool_call_parser: str = "none",
+        prefix_keys: dict | None = None,
     ):
+        """prefix_keys: PrefixKeys options (model_dir, block_size) when the engine deployment routes by
+        prefix (app/router.py): each engine call then carries its prompt's block hashes."""
         if reasoning_parser not in (None, "think"):
             raise ValueError(f"reasoning_parser: must be 'think' or null, got {reasoning_parser!r}")
         if tool_call_parser not in (*PARSERS, "none"):  # resolved from "auto" by app/builder.py
@@ -96,7 +100,8 @@ class Ingress:
         security.configure(api_key, max_body_bytes)
         self._reasoning_default = reasoning_parser == "think"
         self._engine = engine
-        self._client = EngineClient(engine, retry_after_s)
+        keys = PrefixKeys(**prefix_keys) if prefix_keys else None
+        self._client = EngineClient(engine, retry_after_s, keys)
         self._model = model_name
         self._default_max_tokens = default_max_tokens
         self._retry_after = retry_after_s

@@ -159,7 +159,7 @@ class Server:
 
 # Ray's default session directory (serve run starts a local Ray; RAY_ADDRESS=local)
 SERVE_LOGS = Path("/tmp/ray/session_latest/logs/serve")
-# the tail of app/engine_deployment._log_finished's line: ms from the request's arrival at the ingress
+# the tail of app/replica_support.log_finished's line: ms from the request's arrival at the ingress
 _LATENCY = re.compile(r"queue (\S+) ms, engine ttft (\S+) ms, ttft (\S+) ms, e2e (\S+) ms")
 LATENCY_KEYS = ("queue_ms", "engine_ttft_ms", "replica_ttft_ms", "replica_e2e_ms")
 

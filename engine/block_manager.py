@@ -103,6 +103,17 @@ class BlockManager:
                 self.cached[h] = block
                 self.block_hash[block] = h
 
+    def prefix_summary(self, max_hashes: int) -> tuple[int, list[int]]:
+        """(stride, hashes): the cached blocks' chain hashes h with h % stride == 0, stride the smallest
+        power of two that leaves about `max_hashes` of them. For request routers (app/router.py): a
+        request's leading chain hashes that fall on the stride are looked up in it, which finds the
+        longest prefix held to within about `stride` blocks, at a size bounded whatever the pool."""
+        stride = 1
+        while len(self.cached) > max_hashes * stride:
+            stride *= 2
+        hashes = [h for h in self.cached if h % stride == 0]
+        return stride, hashes[:max_hashes]
+
     # ------------------------------------------------------------------ allocation
     def _take(self, block: int) -> None:
         """Add one reference; a free cached block leaves the LRU list."""

@@ -49,6 +49,8 @@ from engine.errors import EngineError, QueueFullError
 log = logging.getLogger("engine.core")
 IDLE_POLL_S = 1.0  # how often an idle core checks that its parent is still there
 STATS_EVERY_S = 0.05  # a stats snapshot rides on a step message at most this often
+SUMMARY_EVERY_S = 1.0  # and the prefix cache's summary (for routers) on one of them at most this often
+SUMMARY_MAX_HASHES = 4096
 
 
 def _final(rid: str, reason: str, error: str | None = None) -> tuple:
@@ -67,7 +69,7 @@ class EngineCore:
         self.pending: list[tuple] = []  # final records produced between steps (aborts, refusals)
         self.aborted_unadded = 0  # aborts of requests still in `deferred`: the engine never saw them
         self.running = True
-        self._last_stats = 0.0
+        self._last_stats = self._last_summary = 0.0
 
     def run(self) -> int:
         """The loop, until shutdown (0), the replica going away (0) or the loop failing (1: the replica
@@ -97,7 +99,7 @@ class EngineCore:
                 continue
             if self.pending or not idle_sent:  # at start too: the replica has stats before any request
                 self.send_step([])
-                self.conn.send(Idle(self.stats(), self.engine.audit()))
+                self.conn.send(Idle(self.stats(summary=True), self.engine.audit()))
                 idle_sent = True
             self.read(timeout=0.0 if self.deferred else IDLE_POLL_S)
 
@@ -110,9 +112,14 @@ class EngineCore:
         if records or stats is not None:
             self.conn.send(Step(records, stats))
 
-    def stats(self) -> dict:
+    def stats(self, summary: bool = False) -> dict:
+        """The engine's stats; with the prefix cache's summary when `summary` or when it is due."""
         stats = self.engine.get_stats()
         stats["num_aborts"] += self.aborted_unadded
+        now = time.monotonic()
+        if summary or now - self._last_summary >= SUMMARY_EVERY_S:
+            stats["prefix_summary"] = self.engine.prefix_summary(SUMMARY_MAX_HASHES)
+            self._last_summary = now
         return stats
 
     def read(self, timeout: float) -> None:

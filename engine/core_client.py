@@ -67,6 +67,7 @@ class CoreClient:
         self._closing = False
         self.death: str | None = None
         self._stats: dict = {}
+        self._prefix_summary: tuple[int, list[int]] = (1, [])
         self._audit: list[str] = []
         self.proc, self._conn = self._start(config, null_step_ms)
         self.limits: admission.Limits = self._conn.recv_ready()
@@ -147,6 +148,11 @@ class CoreClient:
     def stats(self) -> dict:
         return {**self._stats, "core_pid": self.proc.pid}
 
+    def prefix_summary(self) -> tuple[int, list[int]]:
+        """(stride, hashes) of the core's prefix cache, at most about a second old
+        (engine/block_manager.BlockManager.prefix_summary)."""
+        return self._prefix_summary
+
     def audit(self) -> list[str]:
         """KV leak problems the core saw at its last idle point (blocks held with no live request)."""
         return list(self._audit)
@@ -185,12 +191,19 @@ class CoreClient:
                 return
             if isinstance(message, Step):
                 if message.stats is not None:
-                    self._stats = message.stats
+                    self._take_stats(message.stats)
                 self._deliver(self._outputs(message.records))
             elif isinstance(message, Idle):
-                self._stats, self._audit = message.stats, message.audit
+                self._take_stats(message.stats)
+                self._audit = message.audit
             elif isinstance(message, Dead):
                 self._fail_all(message.error)
+
+    def _take_stats(self, stats: dict) -> None:
+        summary = stats.pop("prefix_summary", None)  # rides on some snapshots only
+        if summary is not None:
+            self._prefix_summary = summary
+        self._stats = stats
 
     def _outputs(self, records: list) -> list[RequestOutput]:
         now = time.time()

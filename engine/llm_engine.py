@@ -292,6 +292,10 @@ class LLMEngine:
     def audit(self) -> list[str]:
         return self.block_manager.audit(self.scheduler.live_tables())
 
+    def prefix_summary(self, max_hashes: int) -> tuple[int, list[int]]:
+        """A bounded sample of the prefix cache's block hashes (BlockManager.prefix_summary)."""
+        return self.block_manager.prefix_summary(max_hashes)
+
     def get_stats(self) -> dict:
         bm = self.block_manager
         return {

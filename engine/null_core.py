@@ -119,5 +119,8 @@ class NullEngine:
             **self.stats,
         }
 
+    def prefix_summary(self, max_hashes: int) -> tuple[int, list[int]]:
+        return 1, []  # no KV cache
+
     def audit(self) -> list[str]:
         return []

@@ -183,8 +183,8 @@ def test_the_ingress_arrival_time_reaches_the_replica_call():
     calls = []
 
     class Gen:
-        def __init__(self, args):
-            calls.append(args)
+        def __init__(self, args, kwargs):
+            calls.append((args, kwargs))
 
         async def __anext__(self):
             return {"kind": "accepted", "request_id": "r", "prompt_tokens": 3}
@@ -200,12 +200,14 @@ def test_the_ingress_arrival_time_reaches_the_replica_call():
         def generate(self):
             return self
 
-        def remote(self, *args):
-            return Gen(args)
+        abort = generate
+
+        def remote(self, *args, **kwargs):
+            return Gen(args, kwargs)
 
     client = EngineClient(Handle(), 1)
     streams = asyncio.run(client.open(["a"], SamplingParams(), "req", 1234.5, True))
-    assert calls == [("a", SamplingParams(), "req-0", 1234.5, True)]
+    assert calls == [(("a", SamplingParams()), {"request_id": "req-0", "arrival_time": 1234.5, "echo": True})]
     assert streams[0].accepted["prompt_tokens"] == 3
 
 

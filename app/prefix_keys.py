@@ -1,0 +1,47 @@
+"""The routing key of a request: the chain hashes of its prompt's leading KV blocks (app/router.py).
+
+Computed in the ingress, before the engine call is routed, exactly as the engine's prefix cache will
+hash the prompt: the same tokenizer and chat template (app/chat.ChatPrompt.encode, engine/admission
+.tokenize) and the same hash chain (engine/block_manager.chain_hash). The engine replica tokenizes the
+prompt again for itself; that second pass costs the ingress nothing and keeps one path for prompts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from app.chat import ChatPrompt
+from engine.block_manager import chain_hash
+from engine.tokenizer import Tokenizer
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int, max_blocks: int) -> list[int]:
+    """The chain hashes of the blocks the prefix cache could match: (len - 1) // block_size of them
+    (the last token is always computed), at most `max_blocks`."""
+    hashes: list[int] = []
+    parent = None
+    for i in range(min((len(token_ids) - 1) // block_size, max_blocks)):
+        parent = chain_hash(parent, token_ids[i * block_size : (i + 1) * block_size])
+        hashes.append(parent)
+    return hashes
+
+
+class PrefixKeys:
+    """prompt (text, token ids or ChatPrompt) -> its leading block hashes; [] when it cannot tell (a
+    prompt the engine will refuse gets its error there, not here)."""
+
+    def __init__(self, model_dir: str, block_size: int, max_blocks: int = 256):
+        self.tokenizer = Tokenizer.from_dir(model_dir)
+        self.block_size, self.max_blocks = block_size, max_blocks
+
+    def __call__(self, prompt: str | list[int] | ChatPrompt) -> list[int]:
+        try:
+            if isinstance(prompt, ChatPrompt):
+                ids = prompt.encode(self.tokenizer)[0]
+            elif isinstance(prompt, str):
+                ids = self.tokenizer.encode(prompt)
+            else:
+                ids = prompt
+            return block_hashes(ids, self.block_size, self.max_blocks)
+        except Exception:  # e.g. a template error: the engine replica reports it properly
+            return []

@@ -1,0 +1,173 @@
+"""Prefix-aware routing of engine calls, on Ray Serve's RequestRouter API (Serve still does the routing).
+
+A request whose leading KV blocks a replica already holds skips their prefill there, so a shared system
+prompt or a multi-turn chat should land where its blocks are. Serve's default power-of-two router
+ignores that. This router scores each candidate replica by how many of the request's leading blocks it
+holds, using the engine's own block hashes (engine/block_manager.chain_hash over the prompt's token
+ids after the chat template, computed by the ingress: app/prefix_keys.py), and:
+  cache_hit  the best-scoring replica (ties: the less loaded) is ranked first, others after it;
+  balanced   no replica holds a block: the least loaded one is ranked first, and becomes the prefix's
+             home;
+  fallback   the best-scoring replica's load exceeds the least loaded one's by more than
+             `imbalance_abs` requests and by more than `imbalance_rel` times: power of two choices.
+Calls without hashes (stats, info, tokenize) go by power of two choices. An `abort(request_ids)` goes
+to the replica its first id was routed to: the ingress groups its aborts by `replica_of` (the router
+runs inside the ingress's process, in its handle).
+
+What a replica holds comes from two sources:
+  * its `record_routing_stats` (engine/block_manager.prefix_summary): a sample of its cached block
+    hashes, those h with h % stride == 0 (about 4096 of them whatever the pool), refreshed every
+    `request_routing_stats_period_s` (1 s) plus the controller's broadcast delay; a held prefix is
+    found to within `stride` blocks;
+  * the hashes this router sent there in the last `recent_s` seconds, which covers that delay.
+Load is Serve's cached queue length for the replica when it has one, else the replica's published
+running + waiting count. Chain hashes use Python's tuple hash of ints, which is the same in every
+process of one Python version: every node of a cluster must run the same Python.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter, OrderedDict
+
+from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
+from ray.serve.request_router import (
+    LocalityMixin,
+    MultiplexMixin,
+    PendingRequest,
+    ReplicaID,
+    ReplicaResult,
+    RequestRouter,
+    RunningReplica,
+)
+from ray.util.metrics import Counter as MetricCounter
+
+HASHES_KWARG = "prefix_hashes"  # generate(..., prefix_hashes=[...]): the request's leading chain hashes
+DECISIONS = ("cache_hit", "balanced", "fallback")
+_MAX_ROUTED_IDS = 100_000
+# engine request id -> the replica it was routed to, for this process's routers (written on the router's
+# thread, read on the ingress's: single dict operations, atomic under the GIL)
+_ROUTED: OrderedDict[str, ReplicaID] = OrderedDict()
+
+
+def replica_of(request_id: str) -> ReplicaID | None:
+    """The replica a prefix-aware router sent this engine request to (None: unknown, or no such router)."""
+    return _ROUTED.get(request_id)
+
+
+class ReplicaView:
+    """What one replica holds, as far as this router knows."""
+
+    def __init__(self, max_recent: int):
+        self.max_recent = max_recent
+        self.recent: OrderedDict[int, float] = OrderedDict()  # hash -> when this router sent it there
+        self._stats_seen: object = None
+        self.stride, self.published = 1, frozenset()
+
+    def refresh(self, stats: dict) -> None:
+        if stats is not self._stats_seen and "prefix_hashes" in stats:  # a new publication
+            self._stats_seen = stats
+            self.stride, self.published = stats["prefix_stride"], frozenset(stats["prefix_hashes"])
+
+    def sent(self, hashes: list[int], now: float) -> None:
+        for h in hashes:
+            self.recent[h] = now
+            self.recent.move_to_end(h)
+        while len(self.recent) > self.max_recent:
+            self.recent.popitem(last=False)
+
+    def held(self, hashes: list[int], now: float, recent_s: float) -> int:
+        """Leading blocks of `hashes` this replica holds: the last position found, since a block is
+        cached only with every block before it (chain hashes)."""
+        best = 0
+        for i, h in enumerate(hashes):
+            if (h % self.stride == 0 and h in self.published) or self.recent.get(
+                h, -math.inf
+            ) > now - recent_s:
+                best = i + 1
+        return best
+
+
+class PrefixAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
+    """Not FIFO (unlike Serve's default): a replica chosen for a request must go to that request, which
+    is RequestRouter's own matching by request id; FIFOMixin would hand it to the oldest one waiting."""
+
+    def initialize_state(
+        self,
+        imbalance_abs: int = 8,
+        imbalance_rel: float = 1.5,
+        recent_s: float = 5.0,
+        max_recent: int = 65536,
+    ) -> None:
+        self.imbalance_abs, self.imbalance_rel = imbalance_abs, imbalance_rel
+        self.recent_s, self.max_recent = recent_s, max_recent
+        self.views: dict[ReplicaID, ReplicaView] = {}
+        self.decisions: Counter = Counter()
+        self._metric = MetricCounter(
+            "minserve_routing_decisions",
+            description="Engine calls routed, by decision: cache_hit, balanced or fallback (app/router.py).",
+            tag_keys=("decision",),
+        )
+
+    def _view(self, replica: RunningReplica) -> ReplicaView:
+        view = self.views.get(replica.replica_id)
+        if view is None:
+            view = self.views[replica.replica_id] = ReplicaView(self.max_recent)
+        view.refresh(replica.routing_stats or {})
+        return view
+
+    def _load(self, replica: RunningReplica) -> int:
+        queued = self.replica_queue_len_cache.get(replica.replica_id)
+        if queued is not None:
+            return queued
+        stats = replica.routing_stats or {}
+        return stats.get("num_running", 0) + stats.get("num_waiting", 0)
+
+    def rank(self, candidates: list[RunningReplica], hashes: list[int]) -> tuple[str, list[RunningReplica]]:
+        """(decision, replicas best first); an empty list means: use power of two choices."""
+        now = time.monotonic()
+        scored = [(self._view(r).held(hashes, now, self.recent_s), -self._load(r), r) for r in candidates]
+        loads = [-s[1] for s in scored]
+        held, neg_load, best = max(scored, key=lambda s: (s[0], s[1]))
+        if held == 0:
+            least = min(scored, key=lambda s: -s[1])[2]
+            return "balanced", [least] + [r for r in candidates if r is not least]
+        least_load, best_load = min(loads), -neg_load
+        if best_load - least_load > self.imbalance_abs and best_load > self.imbalance_rel * least_load:
+            return "fallback", []
+        return "cache_hit", [best] + [r for r in candidates if r is not best]
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        kwargs = pending_request.kwargs if pending_request is not None else {}
+        hashes = kwargs.get(HASHES_KWARG)
+        if hashes and candidate_replicas:
+            decision, ranked = self.rank(candidate_replicas, hashes)
+            self.decisions[decision] += 1
+            self._metric.inc(tags={"decision": decision})
+            if ranked:
+                return [[r] for r in ranked]
+        elif kwargs.get("request_ids"):  # an abort: where its first request went
+            target = _ROUTED.get(kwargs["request_ids"][0])
+            ranked = [r for r in candidate_replicas if r.replica_id == target]
+            if ranked:
+                return [ranked, [r for r in candidate_replicas if r.replica_id != target]]
+        return await PowerOfTwoChoicesRequestRouter.choose_replicas(self, candidate_replicas, pending_request)
+
+    def on_request_routed(
+        self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult
+    ) -> None:
+        kwargs = pending_request.kwargs
+        hashes = kwargs.get(HASHES_KWARG)
+        if not hashes:
+            return
+        view = self.views.get(replica_id)
+        if view is not None:
+            view.sent(hashes, time.monotonic())
+        rid = kwargs.get("request_id")
+        if rid is not None:
+            _ROUTED[rid] = replica_id
+            while len(_ROUTED) > _MAX_ROUTED_IDS:
+                _ROUTED.popitem(last=False)

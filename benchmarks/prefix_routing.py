@@ -1,0 +1,158 @@
+"""Prefix-aware routing against Serve's default router, through `serve run` (tiny model on CPU, or any
+checkpoint on a GPU host), on the multi-prefix multi-turn workload of benchmarks/prefix_workload.py.
+
+    python -m benchmarks.prefix_routing --replicas 2,4 --out benchmarks/reports/prefix_routing_cpu
+    python -m benchmarks.prefix_routing --micro          # the routing cost alone, no server
+
+For R replicas the workload has 4R system prompts and each replica a KV pool of `--blocks`, which
+holds about half of them: the default router makes every replica see every prompt, the prefix-aware
+one gives each prompt a home. A single replica with all R pools in one is the reference hit rate.
+Each configuration is a fresh `serve run`, measured after one warm-up pass of a different seed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pickle
+import random
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+from types import SimpleNamespace
+
+from benchmarks.common import environment, git_commit, write_report
+from benchmarks.prefix_workload import Workload, run
+from benchmarks.serve_stack import ROOT, Server, child_env, serve_config
+
+PORT = 8000
+
+
+def _config(ckpt: str, replicas: int, blocks: int, prefix_aware: bool | None) -> dict:
+    cfg = serve_config("cpu", ckpt, PORT, 16)
+    args = cfg["applications"][0]["args"]
+    args["engine"]["num_blocks"] = blocks
+    args.update(num_replicas=replicas, engine_num_cpus=min(1.0, 1.0 / replicas), ingress_num_cpus=0.25)
+    if prefix_aware is not None:
+        args["prefix_aware_routing"] = prefix_aware
+    return cfg
+
+
+def measure(
+    ckpt: str, replicas: int, blocks: int, prefix_aware: bool | None, w: Workload, run_dir: Path
+) -> dict:
+    server = Server(_config(ckpt, replicas, blocks, prefix_aware), run_dir, child_env(), PORT)
+    server.start(timeout=240)
+    try:
+        import httpx
+
+        info = httpx.get(f"{server.url}/v1/models").json()["data"][0]
+        run(server.url, info["id"], replace(w, seed=w.seed + 1000), info["vocab_size"])  # warm-up
+        figures = run(server.url, info["id"], w, info["vocab_size"])
+    finally:
+        server.stop()
+    return figures
+
+
+def micro() -> dict:
+    """Ingress and router costs per request, without a server."""
+    from app.prefix_keys import PrefixKeys, block_hashes
+    from app.router import PrefixAwareRouter
+
+    keys = PrefixKeys(str(ROOT / "models" / "tiny-llama"), 16)
+    words = ["alpha", "beta", "gamma", "delta", "words", "token", "serve"]
+    text = " ".join(random.Random(0).choice(words) for _ in range(2000))
+    ids, n = keys.tokenizer.encode(text), 200
+    t = time.perf_counter()
+    for _ in range(n):
+        keys.tokenizer.encode(text)
+    tokenize = (time.perf_counter() - t) / n
+    t = time.perf_counter()
+    for _ in range(n):
+        hashes = block_hashes(ids, 16, 256)
+    hashing = (time.perf_counter() - t) / n
+    router = object.__new__(PrefixAwareRouter)  # the decision logic only
+    router.initialize_state()
+    router._replica_queue_len_cache = SimpleNamespace(get=lambda rid: 1)
+    rng = random.Random(1)
+    summary = {"prefix_stride": 4, "prefix_hashes": [4 * rng.getrandbits(60) for _ in range(4096)]}
+    replicas = [SimpleNamespace(replica_id=f"r{i}", routing_stats=dict(summary)) for i in range(4)]
+    router.rank(replicas, hashes)
+    t = time.perf_counter()
+    for _ in range(n):
+        router.rank(replicas, hashes)
+    rank = (time.perf_counter() - t) / n
+    return {
+        "prompt_tokens": len(ids),
+        "tokenize_ms": round(1000 * tokenize, 3),
+        "hash_ms": round(1000 * hashing, 3),
+        "blocks_hashed": len(hashes),
+        "rank_4_replicas_ms": round(1000 * rank, 3),
+        "key_bytes": len(pickle.dumps(hashes)),
+        "summary_bytes": len(pickle.dumps(summary)),
+    }
+
+
+def _markdown(report: dict) -> str:
+    lines = [
+        "# Prefix-aware routing vs Serve's default router",
+        "",
+        f"Command: `{report['command']}`  ",
+        f"Commit {report['commit']}; CPU {report['environment'].get('cpu', '')}",
+        f"Workload (largest run): {report.get('workload')}",
+        "",
+        "| replicas | router | KV blocks / replica | hit rate | TTFT p50 ms | TTFT p99 ms | req/s | fails |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in report["runs"]:
+        f = row["figures"]
+        lines.append(
+            f"| {row['replicas']} | {row['router']} | {row['blocks']} | {f['hit_rate']:.3f} | "
+            f"{f['ttft_p50_ms']} | {f['ttft_p99_ms']} | {f['requests_per_s']} | {f['num_failures']} |"
+        )
+    if report.get("micro"):
+        lines += [
+            "",
+            "Routing cost per request (no server): "
+            + ", ".join(f"{k} {v}" for k, v in report["micro"].items()),
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=str(ROOT / "models" / "tiny-llama"))
+    ap.add_argument("--replicas", default="2,4")
+    ap.add_argument("--blocks", type=int, default=160, help="KV blocks per replica")
+    ap.add_argument("--users-per-prefix", type=int, default=3)
+    ap.add_argument("--micro", action="store_true", help="only the routing cost, no server")
+    ap.add_argument("--out", default=None, help="PREFIX for PREFIX.json and PREFIX.md")
+    args = ap.parse_args(argv)
+    report = {"command": "python -m benchmarks.prefix_routing " + " ".join(sys.argv[1:]), "micro": micro()}
+    report |= {"commit": git_commit(ROOT), "environment": environment(), "runs": []}
+    if not args.micro:
+        for r in (int(x) for x in args.replicas.split(",")):
+            w = Workload(prefixes=4 * r, users=4 * r * args.users_per_prefix, concurrency=2 * r)
+            report["workload"] = asdict(w)
+            runs = [(1, "one replica, all pools", r * args.blocks, None)]
+            runs += [
+                (r, "default (power of two)", args.blocks, False),
+                (r, "prefix-aware", args.blocks, True),
+            ]
+            for replicas, name, blocks, aware in runs:
+                figures = measure(
+                    args.model, replicas, blocks, aware, w, ROOT / "benchmarks" / "runs" / f"route{r}"
+                )
+                print(f"{replicas} replicas, {name}: {figures}", flush=True)
+                report["runs"].append(
+                    {"replicas": replicas, "router": name, "blocks": blocks, "figures": figures}
+                )
+    if args.out:
+        write_report(args.out, report, _markdown(report))  # prints the table too
+    else:
+        print(_markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

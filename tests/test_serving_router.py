@@ -1,0 +1,138 @@
+"""Prefix-aware routing, without a cluster: routing keys against the engine's own prefix cache, the
+replicas' published summaries, and the router's decisions (cache hit, balanced, fallback) over fake
+replicas. The routing of a real two-replica deployment is in tests/test_serving_scaleout.py."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from types import SimpleNamespace
+
+import pytest
+
+from app.chat import ChatPrompt
+from app.prefix_keys import PrefixKeys, block_hashes
+from app.prompts import prepare
+from app.router import HASHES_KWARG, PrefixAwareRouter, ReplicaView
+from engine import admission
+from engine.block_manager import BlockManager, BlockTable
+from engine.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.serving
+BS = 16
+
+
+def _cached_pool(prompts: list[list[int]], num_blocks: int = 512) -> BlockManager:
+    """A block manager holding the full blocks of these prompts, as the engine leaves them."""
+    bm = BlockManager(num_blocks, BS)
+    for ids in prompts:
+        table = BlockTable()
+        bm.match_prefix(table, ids)
+        start = len(table.blocks) * BS
+        bm.prepare_append(table, start, len(ids) - start)  # allocates the rest
+        bm.register_full_blocks(table, ids, len(ids))
+        bm.free(table)
+    return bm
+
+
+def test_routing_keys_are_the_prefix_cache_hashes(tiny_model_dir):
+    """The ingress's hashes of a prompt are exactly what the engine's cache matches for it."""
+    keys = PrefixKeys(str(tiny_model_dir), BS)
+    rng = random.Random(0)
+    shared = [rng.randrange(8, 200) for _ in range(5 * BS + 3)]
+    bm = _cached_pool([shared + [rng.randrange(8, 200) for _ in range(7)]])
+    probe = shared + [rng.randrange(8, 200) for _ in range(9)]
+    hashes = keys(probe)
+    table = BlockTable()
+    matched = bm.match_prefix(table, probe)
+    assert matched == 5 * BS and table.hashes == hashes[:5]  # the blocks the cache holds, hash for hash
+    assert len(hashes) == (len(probe) - 1) // BS
+    # text and chat prompts: tokenized as the engine replica does it (app/prompts.prepare, then
+    # engine/admission.tokenize in CoreClient.submit), chat template included
+    tokenizer = Tokenizer.from_dir(tiny_model_dir)
+    text = "The quick brown fox jumps over the lazy dog. " * 20
+    chat = ChatPrompt([{"role": "system", "content": text}, {"role": "user", "content": "hello"}])
+    for prompt in (text, chat):
+        ids = admission.tokenize(tokenizer, prepare(tokenizer, prompt, False)[0], tokenizer.vocab_size)
+        assert len(ids) > 3 * BS and keys(prompt) == block_hashes(ids, BS, 256)
+
+
+def test_summary_finds_the_held_prefix_to_within_its_stride():
+    rng = random.Random(1)
+    prompts = [[rng.randrange(8, 30000) for _ in range(40 * BS + 1)] for _ in range(12)]
+    bm = _cached_pool(prompts, num_blocks=1024)
+    full_stride, everything = bm.prefix_summary(max_hashes=10_000)
+    stride, sample = bm.prefix_summary(max_hashes=64)
+    assert full_stride == 1 and len(everything) == 12 * 40
+    assert stride == 8 and 0 < len(sample) <= 64 and all(h % stride == 0 for h in sample)
+    keys = [block_hashes(ids + [5] * BS, BS, 256) for ids in prompts]  # 41 blocks, the last one not held
+    exact, view = ReplicaView(max_recent=10), ReplicaView(max_recent=10)
+    exact.refresh({"prefix_stride": 1, "prefix_hashes": everything})
+    view.refresh({"prefix_stride": stride, "prefix_hashes": sample})
+    assert [exact.held(k, now=100.0, recent_s=1.0) for k in keys] == [40] * 12
+    held = [view.held(k, now=100.0, recent_s=1.0) for k in keys]
+    # a sampled position is found exactly; the gap after the last one is about geometric, mean `stride`
+    assert all(0 < h <= 40 for h in held) and sum(held) / len(held) >= 40 - 1.5 * stride
+    assert view.held(block_hashes(list(range(100, 100 + 20 * BS)), BS, 256), 0.0, 1.0) == 0
+
+
+class _Cache:
+    def __init__(self, lens: dict):
+        self.lens = lens
+
+    def get(self, replica_id):
+        return self.lens.get(replica_id)
+
+
+def _router(loads: dict[str, int], published: dict[str, list[list[int]]]):
+    router = object.__new__(PrefixAwareRouter)  # the decision logic only: no Serve handle behind it
+    router.initialize_state()
+    router._replica_queue_len_cache = _Cache(loads)
+    replicas = []
+    for name in loads:
+        stride, hashes = _cached_pool(published.get(name, [])).prefix_summary(4096)
+        stats = {"prefix_stride": stride, "prefix_hashes": hashes}
+        replicas.append(SimpleNamespace(replica_id=name, routing_stats=stats))
+    return router, replicas
+
+
+def test_router_sends_a_prefix_where_it_is_held_and_new_prefixes_to_the_least_loaded():
+    rng = random.Random(2)
+    sys_a, sys_b = ([rng.randrange(8, 30000) for _ in range(8 * BS)] for _ in range(2))
+    router, (r1, r2, r3) = _router({"r1": 2, "r2": 3, "r3": 1}, {"r1": [sys_a], "r2": [sys_b]})
+    ask = lambda ids: router.rank([r1, r2, r3], block_hashes(ids, BS, 256))  # noqa: E731
+    assert ask(sys_a + [9] * 20) == ("cache_hit", [r1, r2, r3])
+    assert ask(sys_b + [9] * 20) == ("cache_hit", [r2, r1, r3])
+    assert ask([rng.randrange(8, 30000) for _ in range(6 * BS)]) == ("balanced", [r3, r1, r2])
+    ranks = asyncio.run(
+        router.choose_replicas(
+            [r1, r2, r3], SimpleNamespace(kwargs={HASHES_KWARG: block_hashes(sys_b, BS, 64)})
+        )
+    )
+    assert ranks == [[r2], [r1], [r3]] and router.decisions == {"cache_hit": 1}
+
+
+def test_router_remembers_what_it_sent_until_the_replica_publishes_it():
+    rng = random.Random(3)
+    new = [rng.randrange(8, 30000) for _ in range(6 * BS)]
+    router, (r1, r2) = _router({"r1": 0, "r2": 0}, {})
+    hashes = block_hashes(new, BS, 256)
+    decision, ranked = router.rank([r1, r2], hashes)
+    assert decision == "balanced"
+    pending = SimpleNamespace(kwargs={HASHES_KWARG: hashes, "request_id": "req-1"})
+    router.on_request_routed(pending, ranked[0].replica_id, None)
+    assert router.rank([r1, r2], hashes) == ("cache_hit", ranked)  # before any publication
+    router.recent_s = 0.0  # the memory has aged out, and nothing was published: no affinity left
+    assert router.rank([r1, r2], hashes)[0] == "balanced"
+
+
+def test_router_falls_back_when_the_holder_is_overloaded():
+    rng = random.Random(4)
+    sys_a = [rng.randrange(8, 30000) for _ in range(8 * BS)]
+    hashes = block_hashes(sys_a + [7] * 10, BS, 256)
+    router, (r1, r2) = _router({"r1": 20, "r2": 4}, {"r1": [sys_a]})
+    assert router.rank([r1, r2], hashes) == ("fallback", [])  # 16 more and 5x: imbalanced
+    router, (r1, r2) = _router({"r1": 10, "r2": 4}, {"r1": [sys_a]})
+    assert router.rank([r1, r2], hashes)[0] == "cache_hit"  # 6 more: within imbalance_abs (8)
+    router, (r1, r2) = _router({"r1": 60, "r2": 45}, {"r1": [sys_a]})
+    assert router.rank([r1, r2], hashes)[0] == "cache_hit"  # 15 more but only 1.33x: within imbalance_rel
