@@ -33,6 +33,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 
+import ray
 from ray import serve
 
 from app import prompts
@@ -71,6 +72,7 @@ class EngineDeployment:
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop serving `generate`, set on first use
         self._streams: dict[str, Stream] = {}
         self._early_aborts = EarlyAborts()
+        self._node_id = ray.get_runtime_context().get_node_id()  # stats: where Ray placed this replica
         self._flush_scheduled = False
         # Several threads share this process's GIL (the event loop, the core client's reader, Ray's own):
         # a thread woken by I/O should not wait the default 5 ms for the running one to yield.
@@ -255,7 +257,8 @@ class EngineDeployment:
             **stats,
             "ongoing_requests": len(self._streams),
             "max_ongoing_requests": self._limit,
-            "pid": os.getpid(),  # the replica process: soak tests watch its memory (with the core's)
+            "pid": os.getpid(),
+            "node_id": self._node_id,  # the replica process: soak tests watch its memory (with the core's)
             "rss_bytes": (replica or 0) + (core or 0) if replica is not None else None,
             "core_rss_bytes": core,
         }

@@ -6,8 +6,8 @@ ignores that. This router scores each candidate replica by how many of the reque
 holds, using the engine's own block hashes (engine/block_manager.chain_hash over the prompt's token
 ids after the chat template, computed by the ingress: app/prefix_keys.py), and:
   cache_hit  the best-scoring replica (ties: the less loaded) is ranked first, others after it;
-  balanced   no replica holds a block: the least loaded one is ranked first, and becomes the prefix's
-             home;
+  balanced   no replica holds a block: the least loaded one is ranked first (ties: the one this router
+             has sent the fewest blocks to, then at random), and becomes the prefix's home;
   fallback   the best-scoring replica's load exceeds the least loaded one's by more than
              `imbalance_abs` requests and by more than `imbalance_rel` times: power of two choices.
 Calls without hashes (stats, info, tokenize) go by power of two choices. An `abort(request_ids)` goes
@@ -28,6 +28,7 @@ process of one Python version: every node of a cluster must run the same Python.
 from __future__ import annotations
 
 import math
+import random
 import time
 from collections import Counter, OrderedDict
 
@@ -127,11 +128,21 @@ class PrefixAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
     def rank(self, candidates: list[RunningReplica], hashes: list[int]) -> tuple[str, list[RunningReplica]]:
         """(decision, replicas best first); an empty list means: use power of two choices."""
         now = time.monotonic()
-        scored = [(self._view(r).held(hashes, now, self.recent_s), -self._load(r), r) for r in candidates]
+        # (blocks held, -load, -blocks this router sent there, random): the max is the best replica
+        scored = [
+            (
+                self._view(r).held(hashes, now, self.recent_s),
+                -self._load(r),
+                -len(self._view(r).recent),
+                random.random(),
+                r,
+            )
+            for r in candidates
+        ]
         loads = [-s[1] for s in scored]
-        held, neg_load, best = max(scored, key=lambda s: (s[0], s[1]))
-        if held == 0:
-            least = min(scored, key=lambda s: -s[1])[2]
+        held, neg_load, *_, best = max(scored, key=lambda s: s[:4])
+        if held == 0:  # a new prefix: its home is the least loaded replica, then the one given least
+            least = max(scored, key=lambda s: s[1:4])[-1]
             return "balanced", [least] + [r for r in candidates if r is not least]
         least_load, best_load = min(loads), -neg_load
         if best_load - least_load > self.imbalance_abs and best_load > self.imbalance_rel * least_load:

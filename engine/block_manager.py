@@ -20,8 +20,12 @@ from dataclasses import dataclass, field
 
 
 def chain_hash(parent: int | None, tokens: Seq[int]) -> int:
-    """Content hash of one full block given the hash of the block before it (None for the first)."""
-    return hash((parent, tuple(tokens)))
+    """Content hash of one full block given the hash of the block before it (None for the first).
+
+    Equal in every process of one Python version (request routers compute it in another process than
+    the engine's): a tuple of ints hashes without per-process salt, but hash(None) is an address
+    before Python 3.12, so the first block chains from -1, a value hash() never returns."""
+    return hash((-1 if parent is None else parent, tuple(tokens)))
 
 
 @dataclass
@@ -105,14 +109,14 @@ class BlockManager:
 
     def prefix_summary(self, max_hashes: int) -> tuple[int, list[int]]:
         """(stride, hashes): the cached blocks' chain hashes h with h % stride == 0, stride the smallest
-        power of two that leaves about `max_hashes` of them. For request routers (app/router.py): a
+        power of two that leaves at most `max_hashes` of them. For request routers (app/router.py): a
         request's leading chain hashes that fall on the stride are looked up in it, which finds the
         longest prefix held to within about `stride` blocks, at a size bounded whatever the pool."""
-        stride = 1
-        while len(self.cached) > max_hashes * stride:
+        stride, hashes = 1, list(self.cached)
+        while len(hashes) > max_hashes:  # never truncated: that would drop the newest blocks
             stride *= 2
-        hashes = [h for h in self.cached if h % stride == 0]
-        return stride, hashes[:max_hashes]
+            hashes = [h for h in hashes if h % stride == 0]
+        return stride, hashes
 
     # ------------------------------------------------------------------ allocation
     def _take(self, block: int) -> None:

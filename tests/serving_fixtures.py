@@ -78,8 +78,9 @@ def _build(import_path: str, args: dict):
     return builder(param.annotation.model_validate(args))
 
 
-def start_server(model_dir: Path, overrides: dict | None = None) -> Server:
-    """`overrides` are merged into `args` after TEST_OVERRIDES (nested dicts key by key)."""
+def start_server(model_dir: Path, overrides: dict | None = None, address: str | None = None) -> Server:
+    """`overrides` are merged into `args` after TEST_OVERRIDES (nested dicts key by key). `address`: join
+    that Ray cluster instead of starting one (its nodes' CPUs, not 2); the HTTP front on the head only."""
     import ray
     from ray import serve
 
@@ -90,18 +91,19 @@ def start_server(model_dir: Path, overrides: dict | None = None) -> Server:
     headers = {"Authorization": f"Bearer {args['api_key']}"} if args.get("api_key") else {}
     global ray_driver_started
     ray_driver_started = True
+    where = {"address": address} if address else {"num_cpus": 2, "include_dashboard": False}
     context = ray.init(
-        num_cpus=2,
-        include_dashboard=False,
+        **where,
         log_to_driver=False,
         # replicas import app/ and engine/ from ROOT; steady malloc so the soak's RSS check sees leaks only
         runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), **STEADY_MALLOC_ENV}},
-        _system_config={"metrics_report_interval_ms": 1000},
+        **({} if address else {"_system_config": {"metrics_report_interval_ms": 1000}}),
     )
     port = _free_port()
     # serve_config.yaml's controller options too: its runtime_env carries Serve's throughput settings
     serve.start(
-        http_options={"host": "127.0.0.1", "port": port}, controller_options=config.get("controller_options")
+        http_options={"host": "127.0.0.1", "port": port, **({"location": "HeadOnly"} if address else {})},
+        controller_options=config.get("controller_options"),
     )
     serve.run(_build(app["import_path"], args), name=app["name"], route_prefix=app.get("route_prefix", "/"))
     url = f"http://127.0.0.1:{port}"

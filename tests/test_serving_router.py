@@ -62,9 +62,9 @@ def test_summary_finds_the_held_prefix_to_within_its_stride():
     prompts = [[rng.randrange(8, 30000) for _ in range(40 * BS + 1)] for _ in range(12)]
     bm = _cached_pool(prompts, num_blocks=1024)
     full_stride, everything = bm.prefix_summary(max_hashes=10_000)
-    stride, sample = bm.prefix_summary(max_hashes=64)
+    stride, sample = bm.prefix_summary(max_hashes=80)
     assert full_stride == 1 and len(everything) == 12 * 40
-    assert stride == 8 and 0 < len(sample) <= 64 and all(h % stride == 0 for h in sample)
+    assert stride == 8 and 0 < len(sample) <= 80 and all(h % stride == 0 for h in sample)
     keys = [block_hashes(ids + [5] * BS, BS, 256) for ids in prompts]  # 41 blocks, the last one not held
     exact, view = ReplicaView(max_recent=10), ReplicaView(max_recent=10)
     exact.refresh({"prefix_stride": 1, "prefix_hashes": everything})
@@ -136,3 +136,32 @@ def test_router_falls_back_when_the_holder_is_overloaded():
     assert router.rank([r1, r2], hashes)[0] == "cache_hit"  # 6 more: within imbalance_abs (8)
     router, (r1, r2) = _router({"r1": 60, "r2": 45}, {"r1": [sys_a]})
     assert router.rank([r1, r2], hashes)[0] == "cache_hit"  # 15 more but only 1.33x: within imbalance_rel
+
+
+def test_new_prefixes_spread_evenly_over_equally_loaded_replicas():
+    """With equal loads (as when Serve has no fresh queue lengths), new prefixes must not pile up on
+    one replica: the one this router has sent the fewest blocks to takes the next."""
+    rng = random.Random(5)
+    router, replicas = _router({f"r{i}": 0 for i in range(4)}, {})
+    homes = []
+    for _ in range(8):
+        hashes = block_hashes([rng.randrange(8, 30000) for _ in range(8 * BS + 1)], BS, 256)
+        decision, ranked = router.rank(replicas, hashes)
+        assert decision == "balanced"
+        router.on_request_routed(SimpleNamespace(kwargs={HASHES_KWARG: hashes}), ranked[0].replica_id, None)
+        homes.append(ranked[0].replica_id)
+    assert sorted(homes) == ["r0", "r0", "r1", "r1", "r2", "r2", "r3", "r3"], homes
+
+
+def test_chain_hashes_are_equal_in_every_process():
+    """The ingress hashes a prompt in its own process, the engine core in another: the values must not
+    depend on the process (before Python 3.12 hash(None) is an address, which ASLR moves)."""
+    import subprocess
+    import sys
+
+    code = "from app.prefix_keys import block_hashes; print(block_hashes(list(range(8, 80)), 16, 8))"
+    runs = [
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+        for _ in range(2)
+    ]
+    assert runs[0].stdout == runs[1].stdout == f"{block_hashes(list(range(8, 80)), 16, 8)}\n"

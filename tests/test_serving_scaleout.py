@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import threading
 import time
 
@@ -53,10 +54,25 @@ def test_prefix_routing_keeps_the_single_replica_hit_rate(tiny_model_dir):
     for name, overrides in configs.items():
         with serving(tiny_model_dir, overrides) as server:
             figures[name] = run(server.url, server.model, WORKLOAD, _vocab(server))
+            figures[name]["decisions"] = _routing_decisions(server.metrics_url, expect=name.endswith("aware"))
     one, default, prefix = (figures[k] for k in configs)
     assert all(f["num_failures"] == 0 for f in figures.values()), figures
     assert prefix["hit_rate"] >= 0.9 * one["hit_rate"], figures
     assert default["hit_rate"] < prefix["hit_rate"] - 0.05, figures  # routing is what made the difference
+    # the dashboard's routing panel: decisions counted at the router (the first turn of each of the 8
+    # prefixes finds no holder; every later turn finds one)
+    assert default["decisions"] == {} and prefix["decisions"].get("cache_hit", 0) >= 40, figures
+
+
+def _routing_decisions(metrics_url: str, expect: bool) -> dict[str, float]:
+    """ray_minserve_routing_decisions_total by decision, from Ray's Prometheus endpoint."""
+    pattern = re.compile(r'^ray_minserve_routing_decisions_total\{[^}]*decision="(\w+)"[^}]*\} (\S+)$', re.M)
+    deadline = time.monotonic() + (15 if expect else 3)  # Ray exports every second or so
+    while True:
+        found = {d: float(v) for d, v in pattern.findall(httpx.get(metrics_url, timeout=10).text)}
+        if found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.5)
 
 
 def _kill_one_engine_replica() -> str:
@@ -102,3 +118,69 @@ def test_losing_a_replica_loses_no_request_that_had_not_started_streaming(tiny_m
             timeout=60,
         )
         assert after.status_code == 200
+
+
+def test_two_ray_nodes_on_one_host_serve_the_same_config(tiny_model_dir):
+    """docs/scaling.md's recipe on one host: a head node and a second node joined to it (Ray's
+    cluster_utils starts each as `ray start --head` / `ray start --address` would), the same
+    serve_config, one engine replica on each node, and requests served by both."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    # 1 CPU per node and 0.75 per engine replica: Ray must put the two replicas on different nodes
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    try:
+        cluster.add_node(num_cpus=1)
+        overrides = {**TWO, "engine_num_cpus": 0.75, "ingress_num_cpus": 0.25}
+        server = start_server(tiny_model_dir, overrides, address=cluster.address)
+        try:
+            assert len({n["NodeID"] for n in ray.nodes() if n["Alive"]}) == 2
+            figures = run(server.url, server.model, Workload(prefixes=4, users=8, turns=2), _vocab(server))
+            assert figures["num_failures"] == 0 and figures["hit_rate"] > 0.3, figures
+            # stats calls go by power of two choices: 30 of them reach both replicas
+            stats = [httpx.get(f"{server.url}/v1/engine/stats").json() for _ in range(30)]
+            replicas = {(s["node_id"], s["core_pid"]) for s in stats}
+            assert len(replicas) == 2 and len({node for node, _ in replicas}) == 2, replicas
+        finally:
+            stop_server()
+    finally:
+        cluster.shutdown()
+
+
+def test_scale_down_lets_the_leaving_replica_finish_its_streams(tiny_model_dir):
+    """Two replicas go to one (a lightweight config update, as autoscaling does) while streams run on
+    both: Serve stops routing to the leaving replica and waits for its streams, which all finish."""
+    from ray import serve
+
+    from tests.serving_fixtures import ROOT, _build, _merge
+
+    overrides = {**TWO, "prefix_aware_routing": True}
+    with serving(tiny_model_dir, overrides) as server:
+        vocab = _vocab(server)
+        prompts = [[(11 * i + j) % (vocab - 16) + 8 for j in range(30)] for i in range(8)]
+
+        async def streams() -> list[dict]:
+            async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
+                return list(await asyncio.gather(*(_one(http, server.model, p, 1500) for p in prompts)))
+
+        def scale_down() -> None:
+            import yaml
+
+            app = yaml.safe_load((ROOT / "serve_config.yaml").read_text())["applications"][0]
+            args = _merge(app["args"], {"model": str(tiny_model_dir), **overrides, "num_replicas": 1})
+            args = _merge(args, {"engine": {"fault_injection": True}, "max_ongoing_requests": 20})
+            serve.run(_build(app["import_path"], args), name=app["name"], route_prefix="/", blocking=False)
+
+        before = {httpx.get(f"{server.url}/v1/engine/stats").json()["core_pid"] for _ in range(20)}
+        timer = threading.Timer(1.0, scale_down)
+        timer.start()
+        results = asyncio.run(streams())
+        timer.join()
+        assert len(before) == 2 and all("error" not in r for r in results), results
+        deadline = time.monotonic() + 60
+        engine = lambda: serve.status().applications["minserve"].deployments["EngineDeployment"]  # noqa: E731
+        while sum(engine().replica_states.values()) > 1:
+            assert time.monotonic() < deadline, "the second replica never left"
+            time.sleep(1)
+        after = {httpx.get(f"{server.url}/v1/engine/stats").json()["core_pid"] for _ in range(10)}
+        assert len(after) == 1 and after < before
