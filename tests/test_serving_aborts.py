@@ -48,8 +48,8 @@ class _Method:
     def __init__(self, seen: list) -> None:
         self.seen = seen
 
-    def remote(self, *args):
-        self.seen.append((args, _REQUEST.get()))
+    def remote(self, **kwargs):
+        self.seen.append((kwargs, _REQUEST.get()))
 
 
 class _Handle:
@@ -87,7 +87,9 @@ def test_aborts_of_one_burst_share_one_call_made_outside_the_request_context(mon
 
     streams = asyncio.run(scenario())
     assert [s.gen.cancelled for s in streams] == [True, True, True, False]
-    assert handle.calls == [((["r-0", "r-1", "q-0"],), None)]  # one call, no parent request context
+    assert handle.calls == [
+        ({"request_ids": ["r-0", "r-1", "q-0"]}, None)
+    ]  # one call, no parent request context
 
 
 def test_sse_response_cancels_its_streams_when_the_body_never_starts():

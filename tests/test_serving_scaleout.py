@@ -54,7 +54,8 @@ def test_prefix_routing_keeps_the_single_replica_hit_rate(tiny_model_dir):
     for name, overrides in configs.items():
         with serving(tiny_model_dir, overrides) as server:
             figures[name] = run(server.url, server.model, WORKLOAD, _vocab(server))
-            figures[name]["decisions"] = _routing_decisions(server.metrics_url, expect=name.endswith("aware"))
+            expect = WORKLOAD.users * WORKLOAD.turns if name.endswith("aware") else 0
+            figures[name]["decisions"] = _routing_decisions(server.metrics_url, expect)
     one, default, prefix = (figures[k] for k in configs)
     assert all(f["num_failures"] == 0 for f in figures.values()), figures
     assert prefix["hit_rate"] >= 0.9 * one["hit_rate"], figures
@@ -64,13 +65,14 @@ def test_prefix_routing_keeps_the_single_replica_hit_rate(tiny_model_dir):
     assert default["decisions"] == {} and prefix["decisions"].get("cache_hit", 0) >= 40, figures
 
 
-def _routing_decisions(metrics_url: str, expect: bool) -> dict[str, float]:
-    """ray_minserve_routing_decisions_total by decision, from Ray's Prometheus endpoint."""
+def _routing_decisions(metrics_url: str, expect: int) -> dict[str, float]:
+    """ray_minserve_routing_decisions_total by decision, from Ray's Prometheus endpoint, once they add
+    up to `expect` (Ray exports them every second or so) or after a while."""
     pattern = re.compile(r'^ray_minserve_routing_decisions_total\{[^}]*decision="(\w+)"[^}]*\} (\S+)$', re.M)
-    deadline = time.monotonic() + (15 if expect else 3)  # Ray exports every second or so
+    deadline = time.monotonic() + (20 if expect else 3)
     while True:
         found = {d: float(v) for d, v in pattern.findall(httpx.get(metrics_url, timeout=10).text)}
-        if found or time.monotonic() > deadline:
+        if (expect and sum(found.values()) >= expect) or time.monotonic() > deadline:
             return found
         time.sleep(0.5)
 
@@ -147,9 +149,11 @@ def test_two_ray_nodes_on_one_host_serve_the_same_config(tiny_model_dir):
         cluster.shutdown()
 
 
-def test_scale_down_lets_the_leaving_replica_finish_its_streams(tiny_model_dir):
-    """Two replicas go to one (a lightweight config update, as autoscaling does) while streams run on
-    both: Serve stops routing to the leaving replica and waits for its streams, which all finish."""
+def test_redeploy_to_one_replica_lets_the_leaving_replicas_finish_their_streams(tiny_model_dir):
+    """The application is deployed again with one replica instead of two while streams run on both.
+    (`serve.run` of a freshly built application gives it a new code version, so Serve replaces both
+    replicas: a rolling update.) Serve stops routing to the leaving replicas and waits for their
+    streams (graceful_shutdown_timeout_s): every stream finishes, none is cut."""
     from ray import serve
 
     from tests.serving_fixtures import ROOT, _build, _merge
@@ -174,13 +178,16 @@ def test_scale_down_lets_the_leaving_replica_finish_its_streams(tiny_model_dir):
         before = {httpx.get(f"{server.url}/v1/engine/stats").json()["core_pid"] for _ in range(20)}
         timer = threading.Timer(1.0, scale_down)
         timer.start()
+        t0 = time.monotonic()
         results = asyncio.run(streams())
+        streamed_s = time.monotonic() - t0
         timer.join()
         assert len(before) == 2 and all("error" not in r for r in results), results
+        assert streamed_s > 2.0, f"the streams ({streamed_s:.1f} s) did not outlast the redeploy's start"
         deadline = time.monotonic() + 60
         engine = lambda: serve.status().applications["minserve"].deployments["EngineDeployment"]  # noqa: E731
         while sum(engine().replica_states.values()) > 1:
             assert time.monotonic() < deadline, "the second replica never left"
             time.sleep(1)
         after = {httpx.get(f"{server.url}/v1/engine/stats").json()["core_pid"] for _ in range(10)}
-        assert len(after) == 1 and after < before
+        assert len(after) == 1
