@@ -2,28 +2,16 @@
 
 Computed in the ingress, before the engine call is routed, exactly as the engine's prefix cache will
 hash the prompt: the same tokenizer and chat template (app/chat.ChatPrompt.encode, engine/admission
-.tokenize) and the same hash chain (engine/block_manager.chain_hash). The engine replica tokenizes the
+.tokenize) and the same hash chain (engine.prompt_block_hashes). The engine replica tokenizes the
 prompt again for itself; that second pass costs the ingress nothing and keeps one path for prompts.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from app.chat import ChatPrompt
-from engine.block_manager import chain_hash
-from engine.tokenizer import Tokenizer
+from engine import Tokenizer, prompt_block_hashes
 
-
-def block_hashes(token_ids: Sequence[int], block_size: int, max_blocks: int) -> list[int]:
-    """The chain hashes of the blocks the prefix cache could match: (len - 1) // block_size of them
-    (the last token is always computed), at most `max_blocks`."""
-    hashes: list[int] = []
-    parent = None
-    for i in range(min((len(token_ids) - 1) // block_size, max_blocks)):
-        parent = chain_hash(parent, token_ids[i * block_size : (i + 1) * block_size])
-        hashes.append(parent)
-    return hashes
+block_hashes = prompt_block_hashes  # (token ids, block size, max blocks) -> chain hashes
 
 
 class PrefixKeys:

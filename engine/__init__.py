@@ -21,7 +21,24 @@ def __getattr__(name: str):
         from engine.core_client import CoreClient
 
         return CoreClient
+    if name == "Tokenizer":  # the engine's tokenizer and chat templates, for work done before the engine
+        from engine.tokenizer import Tokenizer
+
+        return Tokenizer
+    if name == "prompt_block_hashes":  # a prompt's prefix-cache key, for request routers
+        from engine.block_manager import prompt_block_hashes
+
+        return prompt_block_hashes
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "LLMEngine", "CoreClient", "SamplingParams", "ToolConfig", "BudgetForcing"]
+__all__ = [
+    "LLM",
+    "LLMEngine",
+    "CoreClient",
+    "SamplingParams",
+    "ToolConfig",
+    "BudgetForcing",
+    "Tokenizer",
+    "prompt_block_hashes",
+]

@@ -28,6 +28,18 @@ def chain_hash(parent: int | None, tokens: Seq[int]) -> int:
     return hash((-1 if parent is None else parent, tuple(tokens)))
 
 
+def prompt_block_hashes(token_ids: Seq[int], block_size: int, max_blocks: int) -> list[int]:
+    """The chain hashes of the blocks `match_prefix` could find for this prompt: (len - 1) //
+    block_size of them (the last token is always computed), at most `max_blocks`. Request routers use
+    them as the prompt's key (app/router.py)."""
+    hashes: list[int] = []
+    parent = None
+    for i in range(min((len(token_ids) - 1) // block_size, max_blocks)):
+        parent = chain_hash(parent, token_ids[i * block_size : (i + 1) * block_size])
+        hashes.append(parent)
+    return hashes
+
+
 @dataclass
 class BlockTable:
     """One sequence's view of the pool: its physical blocks and the hashes of its full prefix blocks."""

@@ -22,7 +22,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 # The engine's public API for app/: what engine/__init__.py exports (LLM, LLMEngine, CoreClient,
-# SamplingParams, ToolConfig, BudgetForcing), the modules that define those names, and the value-type
+# SamplingParams, ToolConfig, BudgetForcing, Tokenizer, prompt_block_hashes), the modules that define
+# the first six of those names (the last two are reached through `engine` only), and the value-type
 # modules a server needs to speak to the engine (its config, its errors, its outputs). app/ imports
 # exactly these today: engine.config (EngineConfig), engine.core_client (CoreClient), engine.errors
 # (EngineError and subclasses), engine.outputs (RequestOutput), engine.sampling_params (SamplingParams,
@@ -262,6 +263,8 @@ def test_what_app_takes_from_the_engine_today():
         }
     )
     assert used == [
+        ("engine", "Tokenizer"),
+        ("engine", "prompt_block_hashes"),
         ("engine.config", "EngineConfig"),
         ("engine.core_client", "CoreClient"),
         ("engine.errors", "EngineDeadError"),
