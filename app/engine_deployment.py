@@ -132,7 +132,6 @@ class EngineDeployment:
             "prefix_hashes": hashes,
             "num_running": stats.get("num_running", 0),
             "num_waiting": stats.get("num_waiting", 0),
-            "kv_blocks_used": stats.get("kv_blocks_used", 0),
         }
 
     async def abort(self, request_ids: list[str]) -> None:
@@ -257,8 +256,8 @@ class EngineDeployment:
             **stats,
             "ongoing_requests": len(self._streams),
             "max_ongoing_requests": self._limit,
-            "pid": os.getpid(),
-            "node_id": self._node_id,  # the replica process: soak tests watch its memory (with the core's)
+            "pid": os.getpid(),  # the replica process: soak tests watch its memory (with the core's)
+            "node_id": self._node_id,
             "rss_bytes": (replica or 0) + (core or 0) if replica is not None else None,
             "core_rss_bytes": core,
         }

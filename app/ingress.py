@@ -293,5 +293,3 @@ class Ingress:
         except Exception as exc:  # a bug here must still end the stream with its one terminal event
             logger.exception("stream failed")
             yield sse_error(internal(f"stream failed: {type(exc).__name__}"))
-        finally:
-            cancel_all(streams)

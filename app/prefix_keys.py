@@ -11,8 +11,6 @@ from __future__ import annotations
 from app.chat import ChatPrompt
 from engine import Tokenizer, prompt_block_hashes
 
-block_hashes = prompt_block_hashes  # (token ids, block size, max blocks) -> chain hashes
-
 
 class PrefixKeys:
     """prompt (text, token ids or ChatPrompt) -> its leading block hashes; [] when it cannot tell (a
@@ -30,6 +28,6 @@ class PrefixKeys:
                 ids = self.tokenizer.encode(prompt)
             else:
                 ids = prompt
-            return block_hashes(ids, self.block_size, self.max_blocks)
+            return prompt_block_hashes(ids, self.block_size, self.max_blocks)
         except Exception:  # e.g. a template error: the engine replica reports it properly
             return []

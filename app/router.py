@@ -45,7 +45,6 @@ from ray.serve.request_router import (
 from ray.util.metrics import Counter as MetricCounter
 
 HASHES_KWARG = "prefix_hashes"  # generate(..., prefix_hashes=[...]): the request's leading chain hashes
-DECISIONS = ("cache_hit", "balanced", "fallback")
 _MAX_ROUTED_IDS = 100_000
 # engine request id -> the replica it was routed to, for this process's routers (written on the router's
 # thread, read on the ingress's: single dict operations, atomic under the GIL)

@@ -64,8 +64,9 @@ def measure(
 
 def micro() -> dict:
     """Ingress and router costs per request, without a server."""
-    from app.prefix_keys import PrefixKeys, block_hashes
+    from app.prefix_keys import PrefixKeys
     from app.router import PrefixAwareRouter
+    from engine import prompt_block_hashes as block_hashes
 
     keys = PrefixKeys(str(ROOT / "models" / "tiny-llama"), 16)
     words = ["alpha", "beta", "gamma", "delta", "words", "token", "serve"]

@@ -11,10 +11,11 @@ from types import SimpleNamespace
 import pytest
 
 from app.chat import ChatPrompt
-from app.prefix_keys import PrefixKeys, block_hashes
+from app.prefix_keys import PrefixKeys
 from app.prompts import prepare
 from app.router import HASHES_KWARG, PrefixAwareRouter, ReplicaView
 from engine import admission
+from engine import prompt_block_hashes as block_hashes
 from engine.block_manager import BlockManager, BlockTable
 from engine.tokenizer import Tokenizer
 
@@ -159,7 +160,7 @@ def test_chain_hashes_are_equal_in_every_process():
     import subprocess
     import sys
 
-    code = "from app.prefix_keys import block_hashes; print(block_hashes(list(range(8, 80)), 16, 8))"
+    code = "from engine import prompt_block_hashes as h; print(h(list(range(8, 80)), 16, 8))"
     runs = [
         subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
         for _ in range(2)
