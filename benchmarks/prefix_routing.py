@@ -3,6 +3,11 @@ checkpoint on a GPU host), on the multi-prefix multi-turn workload of benchmarks
 
     python -m benchmarks.prefix_routing --replicas 2,4 --out benchmarks/reports/prefix_routing_cpu
     python -m benchmarks.prefix_routing --micro          # the routing cost alone, no server
+    python -m benchmarks.prefix_routing --model llama-3.2-1b --prefix-len 1536 --blocks 640 \
+        --max-tokens 16 --concurrency 8 --out benchmarks/reports/gpu/prefix_routing_h100   # GPU host
+
+On a GPU host the replicas share the one GPU (num_gpus 1/R each, the pool sized by --blocks); a model
+name from scripts.make_model (not a path) is made as random bf16 weights in /tmp/minserve_bench.
 
 For R replicas the workload has 4R system prompts and each replica a KV pool of `--blocks`, which
 holds about half of them: the default router makes every replica see every prompt, the prefix-aware
@@ -24,28 +29,38 @@ from types import SimpleNamespace
 
 from benchmarks.common import environment, git_commit, write_report
 from benchmarks.prefix_workload import Workload, run
-from benchmarks.serve_stack import ROOT, Server, child_env, serve_config
+from benchmarks.serve_stack import ROOT, Server, child_env, ensure_checkpoint, serve_config
 
 PORT = 8000
 
 
-def _config(ckpt: str, replicas: int, blocks: int, prefix_aware: bool | None) -> dict:
-    cfg = serve_config("cpu", ckpt, PORT, 16)
+def _config(device: str, ckpt: str, replicas: int, blocks: int, prefix_aware: bool | None) -> dict:
+    cfg = serve_config(device, ckpt, PORT, 16)
     args = cfg["applications"][0]["args"]
     args["engine"]["num_blocks"] = blocks
-    args.update(num_replicas=replicas, engine_num_cpus=min(1.0, 1.0 / replicas), ingress_num_cpus=0.25)
+    cpus = 1.0 if device == "cuda" else min(1.0, 1.0 / replicas)  # the CPU box has 2 cores
+    args.update(num_replicas=replicas, engine_num_cpus=cpus, ingress_num_cpus=0.25)
+    if device == "cuda":
+        args["num_gpus"] = round(1.0 / replicas, 4)  # fractional replicas on the one GPU
     if prefix_aware is not None:
         args["prefix_aware_routing"] = prefix_aware
     return cfg
 
 
 def measure(
-    ckpt: str, replicas: int, blocks: int, prefix_aware: bool | None, w: Workload, run_dir: Path, repeat: int
+    device: str,
+    ckpt: str,
+    replicas: int,
+    blocks: int,
+    prefix_aware: bool | None,
+    w: Workload,
+    run_dir: Path,
+    repeat: int,
 ) -> dict:
     """One server; a warm-up pass, then `repeat` passes, each with system prompts of its own (seeds
     differ): the figures of each pass, and their mean."""
-    server = Server(_config(ckpt, replicas, blocks, prefix_aware), run_dir, child_env(), PORT)
-    server.start(timeout=240)
+    server = Server(_config(device, ckpt, replicas, blocks, prefix_aware), run_dir, child_env(), PORT)
+    server.start(timeout=420)
     try:
         import httpx
 
@@ -57,18 +72,18 @@ def measure(
         ]
     finally:
         server.stop()
-    keys = ("hit_rate", "ttft_p50_ms", "ttft_p99_ms", "requests_per_s")
+    keys = ("hit_rate", "ttft_p50_ms", "ttft_p99_ms", "requests_per_s", "prompt_tokens_per_s")
     mean = {k: round(sum(p[k] for p in passes) / repeat, 4 if k == "hit_rate" else 1) for k in keys}
     return {**mean, "num_failures": sum(p["num_failures"] for p in passes), "passes": passes}
 
 
-def micro() -> dict:
-    """Ingress and router costs per request, without a server."""
+def micro(ckpt: str) -> dict:
+    """Ingress and router costs per request, without a server (the checkpoint's tokenizer)."""
     from app.prefix_keys import PrefixKeys
     from app.router import PrefixAwareRouter
     from engine import prompt_block_hashes as block_hashes
 
-    keys = PrefixKeys(str(ROOT / "models" / "tiny-llama"), 16)
+    keys = PrefixKeys(ckpt, 16)
     words = ["alpha", "beta", "gamma", "delta", "words", "token", "serve"]
     text = " ".join(random.Random(0).choice(words) for _ in range(2000))
     ids, n = keys.tokenizer.encode(text), 200
@@ -102,24 +117,31 @@ def micro() -> dict:
     }
 
 
+def _hardware(env: dict) -> str:
+    hw, v = env["hardware"], env["versions"]
+    where = f"GPU {hw['gpu']} (replicas share it)" if hw.get("gpu") else f"CPU {hw['cpu']} x{hw['cpu_count']}"
+    return f"{where}; Python {v['python']}, torch {v['torch']}"
+
+
 def _markdown(report: dict) -> str:
     lines = [
         "# Prefix-aware routing vs Serve's default router",
         "",
         f"Command: `{report['command']}`  ",
-        f"Commit {report['commit']}; CPU {report['environment'].get('cpu', '')}",
+        f"Commit {report['commit']}; {_hardware(report['environment'])}",
         f"Workload (largest run): {report.get('workload')}",
         "",
         "| replicas | router | KV blocks each | hit rate (passes) "
-        "| TTFT p50 ms | TTFT p99 ms | req/s | fails |",
-        "|---|---|---|---|---|---|---|---|",
+        "| TTFT p50 ms | TTFT p99 ms | req/s | prompt tok/s | fails |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in report["runs"]:
         f = row["figures"]
         each = ", ".join(f"{p['hit_rate']:.3f}" for p in f["passes"])
         lines.append(
             f"| {row['replicas']} | {row['router']} | {row['blocks']} | {f['hit_rate']:.3f} ({each}) | "
-            f"{f['ttft_p50_ms']} | {f['ttft_p99_ms']} | {f['requests_per_s']} | {f['num_failures']} |"
+            f"{f['ttft_p50_ms']} | {f['ttft_p99_ms']} | {f['requests_per_s']} | "
+            f"{f.get('prompt_tokens_per_s', '')} | {f['num_failures']} |"
         )
     if report.get("micro"):
         lines += [
@@ -130,9 +152,19 @@ def _markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _checkpoint(model: str, device: str) -> str:
+    """A path as given; a make_model name made once as random weights (benchmarks/serve_stack)."""
+    if Path(model).exists():
+        return model
+    return str(ensure_checkpoint(SimpleNamespace(ckpt=None, model=model), device, child_env()))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=str(ROOT / "models" / "tiny-llama"))
+    ap.add_argument("--model", default=str(ROOT / "models" / "tiny-llama"), help="path or make_model name")
+    ap.add_argument("--prefix-len", type=int, default=384, help="tokens per system prompt")
+    ap.add_argument("--max-tokens", type=int, default=4)
+    ap.add_argument("--concurrency", type=int, default=2, help="users at a time, per replica")
     ap.add_argument("--replicas", default="2,4")
     ap.add_argument("--blocks", type=int, default=160, help="KV blocks per replica")
     ap.add_argument("--users-per-prefix", type=int, default=3)
@@ -140,11 +172,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--micro", action="store_true", help="only the routing cost, no server")
     ap.add_argument("--out", default=None, help="PREFIX for PREFIX.json and PREFIX.md")
     args = ap.parse_args(argv)
-    report = {"command": "python -m benchmarks.prefix_routing " + " ".join(sys.argv[1:]), "micro": micro()}
-    report |= {"commit": git_commit(ROOT), "environment": environment(), "runs": []}
+    device = "cuda" if (environment().get("hardware") or {}).get("gpu") else "cpu"
+    ckpt = _checkpoint(args.model, device)
+    report = {
+        "command": "python -m benchmarks.prefix_routing " + " ".join(sys.argv[1:]),
+        "micro": micro(ckpt),
+    }
+    report |= {"commit": git_commit(ROOT), "environment": environment(), "device": device, "runs": []}
     if not args.micro:
         for r in (int(x) for x in args.replicas.split(",")):
-            w = Workload(prefixes=4 * r, users=4 * r * args.users_per_prefix, concurrency=2 * r)
+            w = Workload(
+                prefixes=4 * r,
+                prefix_len=args.prefix_len,
+                users=4 * r * args.users_per_prefix,
+                max_tokens=args.max_tokens,
+                concurrency=args.concurrency * r,
+            )
             report["workload"] = asdict(w)
             runs = [(1, "one replica, all pools", r * args.blocks, None)]
             runs += [
@@ -153,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
             ]
             for replicas, name, blocks, aware in runs:
                 run_dir = ROOT / "benchmarks" / "runs" / f"route{r}"
-                figures = measure(args.model, replicas, blocks, aware, w, run_dir, args.repeat)
+                figures = measure(device, ckpt, replicas, blocks, aware, w, run_dir, args.repeat)
                 print(f"{replicas} replicas, {name}: {figures}", flush=True)
                 report["runs"].append(
                     {"replicas": replicas, "router": name, "blocks": blocks, "figures": figures}
