@@ -73,8 +73,14 @@ def measure(
     finally:
         server.stop()
     keys = ("hit_rate", "ttft_p50_ms", "ttft_p99_ms", "requests_per_s", "prompt_tokens_per_s")
-    mean = {k: round(sum(p[k] for p in passes) / repeat, 4 if k == "hit_rate" else 1) for k in keys}
+    keys += ("ttft_p50_hit_ms", "ttft_p50_miss_ms")
+    mean = {k: _mean([p[k] for p in passes], 4 if k == "hit_rate" else 1) for k in keys}
     return {**mean, "num_failures": sum(p["num_failures"] for p in passes), "passes": passes}
+
+
+def _mean(values: list, digits: int) -> float | None:
+    values = [v for v in values if v is not None]
+    return round(sum(values) / len(values), digits) if values else None
 
 
 def micro(ckpt: str) -> dict:
@@ -132,15 +138,16 @@ def _markdown(report: dict) -> str:
         f"Workload (largest run): {report.get('workload')}",
         "",
         "| replicas | router | KV blocks each | hit rate (passes) "
-        "| TTFT p50 ms | TTFT p99 ms | req/s | prompt tok/s | fails |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| TTFT p50 ms | TTFT p99 ms | TTFT p50 hit / miss ms | req/s | prompt tok/s | fails |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in report["runs"]:
         f = row["figures"]
         each = ", ".join(f"{p['hit_rate']:.3f}" for p in f["passes"])
         lines.append(
             f"| {row['replicas']} | {row['router']} | {row['blocks']} | {f['hit_rate']:.3f} ({each}) | "
-            f"{f['ttft_p50_ms']} | {f['ttft_p99_ms']} | {f['requests_per_s']} | "
+            f"{f['ttft_p50_ms']} | {f['ttft_p99_ms']} | {f.get('ttft_p50_hit_ms')} / {f.get('ttft_p50_miss_ms')} | "
+            f"{f['requests_per_s']} | "
             f"{f.get('prompt_tokens_per_s', '')} | {f['num_failures']} |"
         )
     if report.get("micro"):
