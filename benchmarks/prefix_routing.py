@@ -146,7 +146,8 @@ def _markdown(report: dict) -> str:
         each = ", ".join(f"{p['hit_rate']:.3f}" for p in f["passes"])
         lines.append(
             f"| {row['replicas']} | {row['router']} | {row['blocks']} | {f['hit_rate']:.3f} ({each}) | "
-            f"{f['ttft_p50_ms']} | {f['ttft_p99_ms']} | {f.get('ttft_p50_hit_ms')} / {f.get('ttft_p50_miss_ms')} | "
+            f"{f['ttft_p50_ms']} | {f['ttft_p99_ms']} | "
+            f"{f.get('ttft_p50_hit_ms')} / {f.get('ttft_p50_miss_ms')} | "
             f"{f['requests_per_s']} | "
             f"{f.get('prompt_tokens_per_s', '')} | {f['num_failures']} |"
         )
