@@ -76,6 +76,13 @@ class AppArgs(BaseModel):
     routing_stats_period_s: float = Field(
         1.0, gt=0, description="how often each engine replica publishes its prefix-cache summary"
     )
+    routing_imbalance_abs: int = Field(
+        32,
+        ge=0,
+        description="prefix-aware routing gives way to power of two choices when the holder has more than "
+        "this many requests over the least loaded replica (and routing_imbalance_rel times its load)",
+    )
+    routing_imbalance_rel: float = Field(1.5, ge=1.0, description="see routing_imbalance_abs")
 
 
 def _cuda_available() -> bool:
@@ -156,6 +163,10 @@ def _routing(args: AppArgs) -> dict[str, Any]:
         request_router_class=PrefixAwareRouter,
         request_routing_stats_period_s=args.routing_stats_period_s,
         request_routing_stats_timeout_s=max(5.0, 5 * args.routing_stats_period_s),
+        request_router_kwargs={
+            "imbalance_abs": args.routing_imbalance_abs,
+            "imbalance_rel": args.routing_imbalance_rel,
+        },
     )
     return {"request_router_config": config}
 

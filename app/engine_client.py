@@ -30,7 +30,8 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from app.errors import ApiError, internal, overloaded
 from app.prefix_keys import PrefixKeys
-from app.router import HASHES_KWARG, replica_of
+from app.router import HASHES_KWARG
+from app.routing_table import replica_of
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("ray.serve")

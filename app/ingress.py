@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, Response
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from app import security
+from app import routing_table, security
 from app.engine_client import EngineClient, EngineStream, StreamsResponse, call_failure, cancel_all, merge
 from app.errors import ApiError, from_engine_error, internal
 from app.http_errors import install_error_handlers, reject
@@ -136,8 +136,10 @@ class Ingress:
 
     @api.get("/v1/engine/stats")
     async def engine_stats(self) -> dict:
-        """KV blocks in use, queue lengths, counters (of the replica that answers)."""
-        return await self._engine.stats.remote()
+        """KV blocks in use, queue lengths, counters (of the engine replica that answers), and the
+        prefix-aware routing decisions this ingress replica made (none without that router)."""
+        stats = await self._engine.stats.remote()
+        return {**stats, "ingress_routing_decisions": dict(routing_table.DECISIONS)}
 
     @api.get("/v1/engine/audit")
     async def engine_audit(self) -> dict:

@@ -10,9 +10,13 @@ ids after the chat template, computed by the ingress: app/prefix_keys.py), and:
              has sent the fewest blocks to, then at random), and becomes the prefix's home;
   fallback   the best-scoring replica's load exceeds the least loaded one's by more than
              `imbalance_abs` requests and by more than `imbalance_rel` times: power of two choices.
+             A GPU replica runs up to hundreds of streams, so the default margin (32) is wide: a
+             narrow one sends a prefix's requests away at every burst, and each becomes a second
+             home for it that crowds the other replica's pool (benchmarks/reports/gpu/prefix_routing*).
 Calls without hashes (stats, info, tokenize) go by power of two choices. An `abort(request_ids)` goes
-to the replica its first id was routed to: the ingress groups its aborts by `replica_of` (the router
-runs inside the ingress's process, in its handle).
+to the replica its first id was routed to: the ingress groups its aborts by `routing_table.replica_of`
+(the router runs inside the ingress's process, in its handle; app/routing_table.py says why the
+tables live there).
 
 What a replica holds comes from two sources:
   * its `record_routing_stats` (engine/block_manager.prefix_summary): a sample of its cached block
@@ -30,7 +34,7 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import (
@@ -44,16 +48,9 @@ from ray.serve.request_router import (
 )
 from ray.util.metrics import Counter as MetricCounter
 
+from app import routing_table  # shared state: through the module, never copied (app/routing_table.py)
+
 HASHES_KWARG = "prefix_hashes"  # generate(..., prefix_hashes=[...]): the request's leading chain hashes
-_MAX_ROUTED_IDS = 100_000
-# engine request id -> the replica it was routed to, for this process's routers (written on the router's
-# thread, read on the ingress's: single dict operations, atomic under the GIL)
-_ROUTED: OrderedDict[str, ReplicaID] = OrderedDict()
-
-
-def replica_of(request_id: str) -> ReplicaID | None:
-    """The replica a prefix-aware router sent this engine request to (None: unknown, or no such router)."""
-    return _ROUTED.get(request_id)
 
 
 class ReplicaView:
@@ -95,7 +92,7 @@ class PrefixAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
 
     def initialize_state(
         self,
-        imbalance_abs: int = 8,
+        imbalance_abs: int = 32,
         imbalance_rel: float = 1.5,
         recent_s: float = 5.0,
         max_recent: int = 65536,
@@ -103,7 +100,6 @@ class PrefixAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         self.imbalance_abs, self.imbalance_rel = imbalance_abs, imbalance_rel
         self.recent_s, self.max_recent = recent_s, max_recent
         self.views: dict[ReplicaID, ReplicaView] = {}
-        self.decisions: Counter = Counter()
         self._metric = MetricCounter(
             "minserve_routing_decisions",
             description="Engine calls routed, by decision: cache_hit, balanced or fallback (app/router.py).",
@@ -155,12 +151,12 @@ class PrefixAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         hashes = kwargs.get(HASHES_KWARG)
         if hashes and candidate_replicas:
             decision, ranked = self.rank(candidate_replicas, hashes)
-            self.decisions[decision] += 1
+            routing_table.DECISIONS[decision] += 1
             self._metric.inc(tags={"decision": decision})
             if ranked:
                 return [[r] for r in ranked]
         elif kwargs.get("request_ids"):  # an abort: where its first request went
-            target = _ROUTED.get(kwargs["request_ids"][0])
+            target = routing_table.replica_of(kwargs["request_ids"][0])
             ranked = [r for r in candidate_replicas if r.replica_id == target]
             if ranked:
                 return [ranked, [r for r in candidate_replicas if r.replica_id != target]]
@@ -178,6 +174,4 @@ class PrefixAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             view.sent(hashes, time.monotonic())
         rid = kwargs.get("request_id")
         if rid is not None:
-            _ROUTED[rid] = replica_id
-            while len(_ROUTED) > _MAX_ROUTED_IDS:
-                _ROUTED.popitem(last=False)
+            routing_table.routed(rid, replica_id)

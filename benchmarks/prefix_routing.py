@@ -19,6 +19,7 @@ with system prompts of its own; the table gives their mean (TTFT: mean of the pa
 from __future__ import annotations
 
 import argparse
+import importlib
 import pickle
 import random
 import sys
@@ -66,16 +67,26 @@ def measure(
 
         info = httpx.get(f"{server.url}/v1/models").json()["data"][0]
         run(server.url, info["id"], replace(w, seed=w.seed + 1000), info["vocab_size"])  # warm-up
+        before = _decisions(server.url)
         passes = [
             run(server.url, info["id"], replace(w, seed=w.seed + i), info["vocab_size"])
             for i in range(repeat)
         ]
+        decisions = {k: v - before.get(k, 0) for k, v in _decisions(server.url).items()}
     finally:
         server.stop()
     keys = ("hit_rate", "ttft_p50_ms", "ttft_p99_ms", "requests_per_s", "prompt_tokens_per_s")
     keys += ("ttft_p50_hit_ms", "ttft_p50_miss_ms")
     mean = {k: _mean([p[k] for p in passes], 4 if k == "hit_rate" else 1) for k in keys}
-    return {**mean, "num_failures": sum(p["num_failures"] for p in passes), "passes": passes}
+    failures = sum(p["num_failures"] for p in passes)
+    return {**mean, "num_failures": failures, "decisions": decisions, "passes": passes}
+
+
+def _decisions(url: str) -> dict:
+    """The ingress's prefix-aware routing decisions so far (one ingress replica)."""
+    import httpx
+
+    return httpx.get(f"{url}/v1/engine/stats", timeout=30).json().get("ingress_routing_decisions", {})
 
 
 def _mean(values: list, digits: int) -> float | None:
@@ -138,8 +149,8 @@ def _markdown(report: dict) -> str:
         f"Workload (largest run): {report.get('workload')}",
         "",
         "| replicas | router | KV blocks each | hit rate (passes) "
-        "| TTFT p50 ms | TTFT p99 ms | TTFT p50 hit / miss ms | req/s | prompt tok/s | fails |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| TTFT p50 ms | TTFT p99 ms | TTFT p50 hit / miss ms | req/s | prompt tok/s | fails | decisions |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in report["runs"]:
         f = row["figures"]
@@ -149,7 +160,9 @@ def _markdown(report: dict) -> str:
             f"{f['ttft_p50_ms']} | {f['ttft_p99_ms']} | "
             f"{f.get('ttft_p50_hit_ms')} / {f.get('ttft_p50_miss_ms')} | "
             f"{f['requests_per_s']} | "
-            f"{f.get('prompt_tokens_per_s', '')} | {f['num_failures']} |"
+            f"{f.get('prompt_tokens_per_s', '')} | {f['num_failures']} | "
+            + " ".join(f"{k} {v}" for k, v in sorted(f.get("decisions", {}).items()))
+            + " |"
         )
     if report.get("micro"):
         lines += [
@@ -161,7 +174,12 @@ def _markdown(report: dict) -> str:
 
 
 def _checkpoint(model: str, device: str) -> str:
-    """A path as given; a make_model name made once as random weights (benchmarks/serve_stack)."""
+    """A path as given; a make_model name made once as random weights (benchmarks/serve_stack). Ray
+    Serve from the wheelhouse where missing, here too (the routing cost imports the router)."""
+    for path in reversed(child_env()["PYTHONPATH"].split(":")):
+        if path not in sys.path:
+            sys.path.insert(0, path)
+    importlib.invalidate_caches()
     if Path(model).exists():
         return model
     return str(ensure_checkpoint(SimpleNamespace(ckpt=None, model=model), device, child_env()))

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import random
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
 
+from app import routing_table
 from app.chat import ChatPrompt
 from app.prefix_keys import PrefixKeys
 from app.prompts import prepare
@@ -18,6 +21,7 @@ from engine import admission
 from engine import prompt_block_hashes as block_hashes
 from engine.block_manager import BlockManager, BlockTable
 from engine.tokenizer import Tokenizer
+from tests.conftest import ROOT
 
 pytestmark = pytest.mark.serving
 BS = 16
@@ -85,9 +89,9 @@ class _Cache:
         return self.lens.get(replica_id)
 
 
-def _router(loads: dict[str, int], published: dict[str, list[list[int]]]):
+def _router(loads: dict[str, int], published: dict[str, list[list[int]]], **kwargs):
     router = object.__new__(PrefixAwareRouter)  # the decision logic only: no Serve handle behind it
-    router.initialize_state()
+    router.initialize_state(**kwargs)
     router._replica_queue_len_cache = _Cache(loads)
     replicas = []
     for name in loads:
@@ -105,12 +109,13 @@ def test_router_sends_a_prefix_where_it_is_held_and_new_prefixes_to_the_least_lo
     assert ask(sys_a + [9] * 20) == ("cache_hit", [r1, r2, r3])
     assert ask(sys_b + [9] * 20) == ("cache_hit", [r2, r1, r3])
     assert ask([rng.randrange(8, 30000) for _ in range(6 * BS)]) == ("balanced", [r3, r1, r2])
+    before = routing_table.DECISIONS["cache_hit"]
     ranks = asyncio.run(
         router.choose_replicas(
             [r1, r2, r3], SimpleNamespace(kwargs={HASHES_KWARG: block_hashes(sys_b, BS, 64)})
         )
     )
-    assert ranks == [[r2], [r1], [r3]] and router.decisions == {"cache_hit": 1}
+    assert ranks == [[r2], [r1], [r3]] and routing_table.DECISIONS["cache_hit"] == before + 1
 
 
 def test_router_remembers_what_it_sent_until_the_replica_publishes_it():
@@ -131,12 +136,14 @@ def test_router_falls_back_when_the_holder_is_overloaded():
     rng = random.Random(4)
     sys_a = [rng.randrange(8, 30000) for _ in range(8 * BS)]
     hashes = block_hashes(sys_a + [7] * 10, BS, 256)
-    router, (r1, r2) = _router({"r1": 20, "r2": 4}, {"r1": [sys_a]})
-    assert router.rank([r1, r2], hashes) == ("fallback", [])  # 16 more and 5x: imbalanced
-    router, (r1, r2) = _router({"r1": 10, "r2": 4}, {"r1": [sys_a]})
-    assert router.rank([r1, r2], hashes)[0] == "cache_hit"  # 6 more: within imbalance_abs (8)
-    router, (r1, r2) = _router({"r1": 60, "r2": 45}, {"r1": [sys_a]})
-    assert router.rank([r1, r2], hashes)[0] == "cache_hit"  # 15 more but only 1.33x: within imbalance_rel
+    router, (r1, r2) = _router({"r1": 40, "r2": 4}, {"r1": [sys_a]})
+    assert router.rank([r1, r2], hashes) == ("fallback", [])  # 36 more and 10x: imbalanced
+    router, (r1, r2) = _router({"r1": 30, "r2": 4}, {"r1": [sys_a]})
+    assert router.rank([r1, r2], hashes)[0] == "cache_hit"  # 26 more: within imbalance_abs (32)
+    router, (r1, r2) = _router({"r1": 120, "r2": 85}, {"r1": [sys_a]})
+    assert router.rank([r1, r2], hashes)[0] == "cache_hit"  # 35 more but only 1.41x: within imbalance_rel
+    router, (r1, r2) = _router({"r1": 20, "r2": 4}, {"r1": [sys_a]}, imbalance_abs=8)
+    assert router.rank([r1, r2], hashes) == ("fallback", [])  # a narrower margin set in serve_config
 
 
 def test_new_prefixes_spread_evenly_over_equally_loaded_replicas():
@@ -166,3 +173,69 @@ def test_chain_hashes_are_equal_in_every_process():
         for _ in range(2)
     ]
     assert runs[0].stdout == runs[1].stdout == f"{block_hashes(list(range(8, 80)), 16, 8)}\n"
+
+
+def test_router_is_the_default_with_several_replicas_and_takes_its_margins_from_the_config():
+    from app.builder import AppArgs, _routing
+
+    assert _routing(AppArgs(num_replicas=1)) == {}
+    assert _routing(AppArgs(num_replicas=2, prefix_aware_routing=False)) == {}
+    scaling = {"min_replicas": 1, "max_replicas": 3}
+    for args in (AppArgs(num_replicas=2, routing_imbalance_abs=8), AppArgs(autoscaling_config=scaling)):
+        config = _routing(args)["request_router_config"]
+        assert config.request_router_kwargs == {
+            "imbalance_abs": args.routing_imbalance_abs,
+            "imbalance_rel": 1.5,
+        }
+    router = object.__new__(PrefixAwareRouter)
+    router.initialize_state(
+        **_routing(AppArgs(num_replicas=2, routing_imbalance_abs=8))[
+            "request_router_config"
+        ].request_router_kwargs
+    )
+    assert (router.imbalance_abs, router.imbalance_rel) == (8, 1.5)
+
+
+def test_a_router_shipped_by_value_shares_its_tables_with_the_ingress():
+    """Serve pickles the router class by value, and the ingress's handle runs that copy, with its own
+    copy of app/router.py's globals: what it routed must still reach app/engine_client's abort
+    grouping and the ingress's decision counts. The class is loaded in another process, as in Serve
+    (in the process that pickled it, cloudpickle hands back the original class)."""
+    from ray import cloudpickle
+
+    import app.router
+
+    cloudpickle.register_pickle_by_value(app.router)  # as RequestRouterConfig does
+    try:
+        shipped = cloudpickle.dumps(PrefixAwareRouter)
+    finally:
+        cloudpickle.unregister_pickle_by_value(app.router)
+    hashes = block_hashes(list(range(10, 10 + 4 * BS)), BS, 64)
+    out = subprocess.run(
+        [sys.executable, "-c", _INGRESS_SIDE, repr(hashes)],
+        input=shipped,
+        capture_output=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr.decode()[-2000:]
+    assert out.stdout.decode().split() == ["copy", "decisions", "1", "routed", "r1"]
+
+
+_INGRESS_SIDE = """
+import asyncio, sys
+from types import SimpleNamespace
+from ray import cloudpickle
+import app.engine_client  # the ingress imports app.router and app.routing_table before the handle runs
+from app import router as module, routing_table
+cls = cloudpickle.loads(sys.stdin.buffer.read())
+print("copy" if cls is not module.PrefixAwareRouter else "same")
+r = object.__new__(cls)
+r.initialize_state()
+r._replica_queue_len_cache = SimpleNamespace(get=lambda rid: {"r1": 0, "r2": 5}[rid])
+replicas = [SimpleNamespace(replica_id=n, routing_stats={}) for n in ("r1", "r2")]
+pending = SimpleNamespace(kwargs={module.HASHES_KWARG: eval(sys.argv[1]), "request_id": "req-1"})
+ranks = asyncio.run(r.choose_replicas(replicas, pending))
+r.on_request_routed(pending, ranks[0][0].replica_id, None)
+print("decisions", sum(routing_table.DECISIONS.values()), "routed", routing_table.replica_of("req-1"))
+"""
