@@ -76,13 +76,20 @@ class AppArgs(BaseModel):
     routing_stats_period_s: float = Field(
         1.0, gt=0, description="how often each engine replica publishes its prefix-cache summary"
     )
-    routing_imbalance_abs: int = Field(
-        32,
+    routing_imbalance_abs: int | None = Field(
+        None,
         ge=0,
         description="prefix-aware routing gives way to power of two choices when the holder has more than "
-        "this many requests over the least loaded replica (and routing_imbalance_rel times its load)",
+        "this many requests over the least loaded replica (and routing_imbalance_rel times its load); "
+        "default 32, or half of autoscaling_config's target_ongoing_requests where that is less",
     )
     routing_imbalance_rel: float = Field(1.5, ge=1.0, description="see routing_imbalance_abs")
+    engine_graceful_shutdown_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        description="how long a leaving engine replica (scale-down, redeploy, shutdown) waits for its "
+        "open streams to finish; streams still open then end with an engine_unavailable error event",
+    )
 
 
 def _cuda_available() -> bool:
@@ -118,6 +125,7 @@ def build_app(args: AppArgs) -> Application:
     engine = EngineDeployment.options(
         ray_actor_options={"num_gpus": num_gpus, "num_cpus": args.engine_num_cpus},
         max_ongoing_requests=args.max_ongoing_requests + _CONTROL_HEADROOM,
+        graceful_shutdown_timeout_s=args.engine_graceful_shutdown_timeout_s,
         **scaling,
         **routing,
     ).bind(
@@ -164,11 +172,21 @@ def _routing(args: AppArgs) -> dict[str, Any]:
         request_routing_stats_period_s=args.routing_stats_period_s,
         request_routing_stats_timeout_s=max(5.0, 5 * args.routing_stats_period_s),
         request_router_kwargs={
-            "imbalance_abs": args.routing_imbalance_abs,
+            "imbalance_abs": _imbalance_abs(args),
             "imbalance_rel": args.routing_imbalance_rel,
         },
     )
     return {"request_router_config": config}
+
+
+def _imbalance_abs(args: AppArgs) -> int:
+    """A replica the autoscaler added must get work before its holders are twice its target: past
+    half the target, load wins over cache affinity (Serve's own default target is 2)."""
+    if args.routing_imbalance_abs is not None:
+        return args.routing_imbalance_abs
+    if not args.autoscaling_config:
+        return 32
+    return max(1, min(32, int(args.autoscaling_config.get("target_ongoing_requests", 2)) // 2))
 
 
 def _model_type(model: str) -> str | None:

@@ -181,12 +181,16 @@ def test_router_is_the_default_with_several_replicas_and_takes_its_margins_from_
     assert _routing(AppArgs(num_replicas=1)) == {}
     assert _routing(AppArgs(num_replicas=2, prefix_aware_routing=False)) == {}
     scaling = {"min_replicas": 1, "max_replicas": 3}
-    for args in (AppArgs(num_replicas=2, routing_imbalance_abs=8), AppArgs(autoscaling_config=scaling)):
+    margins = [  # the fallback margin: as set, else 32, else half the autoscaling target
+        (AppArgs(num_replicas=2, routing_imbalance_abs=8), 8),
+        (AppArgs(num_replicas=2), 32),
+        (AppArgs(autoscaling_config=scaling), 1),  # Serve's default target: 2
+        (AppArgs(autoscaling_config={**scaling, "target_ongoing_requests": 24}), 12),
+        (AppArgs(autoscaling_config={**scaling, "target_ongoing_requests": 256}), 32),
+    ]
+    for args, margin in margins:
         config = _routing(args)["request_router_config"]
-        assert config.request_router_kwargs == {
-            "imbalance_abs": args.routing_imbalance_abs,
-            "imbalance_rel": 1.5,
-        }
+        assert config.request_router_kwargs == {"imbalance_abs": margin, "imbalance_rel": 1.5}
     router = object.__new__(PrefixAwareRouter)
     router.initialize_state(
         **_routing(AppArgs(num_replicas=2, routing_imbalance_abs=8))[

@@ -15,6 +15,8 @@ import contextlib
 import re
 import threading
 import time
+from dataclasses import replace
+from pathlib import Path
 
 import httpx
 import pytest
@@ -147,3 +149,102 @@ def test_two_ray_nodes_on_one_host_serve_the_same_config(tiny_model_dir):
             stop_server()
     finally:
         cluster.shutdown()
+
+
+def test_scale_down_lets_the_leaving_replica_finish_its_streams(tiny_model_dir):
+    """The application is deployed again with one replica instead of two while long streams run on
+    both. (`serve.run` of a freshly built application gives it a new code version, so Serve replaces
+    both replicas: a rolling update.) Serve stops routing to the leaving replicas and waits up to
+    engine_graceful_shutdown_timeout_s for their streams: every stream finishes, none is cut."""
+    from ray import serve
+
+    from tests.serving_fixtures import ROOT, _build, _merge
+
+    overrides = {**TWO, "prefix_aware_routing": True, "engine_graceful_shutdown_timeout_s": 120}
+    with serving(tiny_model_dir, overrides) as server:
+        vocab = _vocab(server)
+        prompts = [[(11 * i + j) % (vocab - 16) + 8 for j in range(30)] for i in range(8)]
+
+        async def streams() -> list[dict]:
+            async with httpx.AsyncClient(base_url=server.url, timeout=300) as http:
+                return list(await asyncio.gather(*(_one(http, server.model, p, 1500) for p in prompts)))
+
+        def scale_down() -> None:
+            import yaml
+
+            app = yaml.safe_load((ROOT / "serve_config.yaml").read_text())["applications"][0]
+            args = _merge(app["args"], {"model": str(tiny_model_dir), **overrides, "num_replicas": 1})
+            serve.run(_build(app["import_path"], args), name=app["name"], route_prefix="/", blocking=False)
+
+        before = {httpx.get(f"{server.url}/v1/engine/stats").json()["core_pid"] for _ in range(20)}
+        timer = threading.Timer(1.0, scale_down)
+        timer.start()
+        t0 = time.monotonic()
+        results = asyncio.run(streams())
+        streamed_s = time.monotonic() - t0
+        timer.join()
+        assert len(before) == 2 and all("error" not in r for r in results), (streamed_s, results)
+        assert streamed_s > 2.0, f"the streams ({streamed_s:.1f} s) did not outlast the redeploy's start"
+        deadline = time.monotonic() + 60
+        engine = lambda: serve.status().applications["minserve"].deployments["EngineDeployment"]  # noqa: E731
+        while sum(engine().replica_states.values()) > 1:
+            assert time.monotonic() < deadline, "the second replica never left"
+            time.sleep(1)
+        after = {httpx.get(f"{server.url}/v1/engine/stats").json()["core_pid"] for _ in range(10)}
+        assert len(after) == 1
+
+
+def test_autoscaling_adds_a_replica_under_load_and_drains_it_when_the_load_ends(tiny_model_dir):
+    """autoscaling_config instead of num_replicas (the prefix-aware router is on, since there can be
+    two): 8 streams at a time against a target of 2 per replica bring a second replica, which gets
+    requests although every prompt's prefix is cached on the first (the fallback margin follows the
+    target); once the load stops, Serve removes it again. No request fails on the way up or down."""
+    from ray import serve
+
+    scaling = {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 2}
+    scaling |= {
+        "upscale_delay_s": 1,
+        "downscale_delay_s": 5,
+        "metrics_interval_s": 1,
+        "look_back_period_s": 2,
+    }
+    overrides = {**TWO, "autoscaling_config": scaling}
+    overrides.pop("num_replicas")
+    engine = lambda: serve.status().applications["minserve"].deployments["EngineDeployment"]  # noqa: E731
+    running = lambda: engine().replica_states.get("RUNNING", 0)  # noqa: E731
+    with serving(tiny_model_dir, overrides) as server:
+        vocab, stop, results = _vocab(server), threading.Event(), []
+        prompts = [[(13 * i + j) % (vocab - 16) + 8 for j in range(40)] for i in range(8)]
+
+        async def load() -> None:
+            async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
+                while not stop.is_set():
+                    results.extend(await asyncio.gather(*(_one(http, server.model, p, 200) for p in prompts)))
+
+        assert running() == 1
+        loader = threading.Thread(target=asyncio.run, args=(load(),))
+        loader.start()
+        try:
+            _wait_for(lambda: running() == 2, 120, "no second replica under load")
+            served = lambda: sorted(_requests_logged(server).values())  # noqa: E731
+            _wait_for(lambda: len(served()) == 2 and served()[0] > 0, 60, "the new replica served none")
+        finally:
+            stop.set()
+            loader.join()
+        _wait_for(lambda: sum(engine().replica_states.values()) == 1, 120, "the second replica never left")
+        after = run(server.url, server.model, replace(WORKLOAD, users=4, turns=1), vocab)
+    assert results and all("error" not in r for r in results), [r for r in results if "error" in r][:3]
+    assert after["num_failures"] == 0, after
+
+
+def _requests_logged(server) -> dict[str, int]:
+    """Engine replica log -> its one-line-per-request records so far (app/replica_support.log_finished)."""
+    logs = Path(server.session_dir) / "logs" / "serve"
+    return {p.name: p.read_text().count(" -- request ") for p in logs.glob("replica_*EngineDeployment*.log")}
+
+
+def _wait_for(condition, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(1)
