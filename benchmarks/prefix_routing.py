@@ -35,14 +35,16 @@ from benchmarks.serve_stack import ROOT, Server, child_env, ensure_checkpoint, s
 PORT = 8000
 
 
-def _config(device: str, ckpt: str, replicas: int, blocks: int, prefix_aware: bool | None) -> dict:
+def _config(
+    device: str, ckpt: str, replicas: int, blocks: int, prefix_aware: bool | None, gpus: float | None = None
+) -> dict:
     cfg = serve_config(device, ckpt, PORT, 16)
     args = cfg["applications"][0]["args"]
     args["engine"]["num_blocks"] = blocks
     cpus = 1.0 if device == "cuda" else min(1.0, 1.0 / replicas)  # the CPU box has 2 cores
     args.update(num_replicas=replicas, engine_num_cpus=cpus, ingress_num_cpus=0.25)
     if device == "cuda":
-        args["num_gpus"] = round(1.0 / replicas, 4)  # fractional replicas on the one GPU
+        args["num_gpus"] = gpus or round(1.0 / replicas, 4)  # default: fractional replicas on one GPU
     if prefix_aware is not None:
         args["prefix_aware_routing"] = prefix_aware
     return cfg
@@ -57,10 +59,12 @@ def measure(
     w: Workload,
     run_dir: Path,
     repeat: int,
+    gpus: float | None = None,
 ) -> dict:
     """One server; a warm-up pass, then `repeat` passes, each with system prompts of its own (seeds
     differ): the figures of each pass, and their mean."""
-    server = Server(_config(device, ckpt, replicas, blocks, prefix_aware), run_dir, child_env(), PORT)
+    cfg = _config(device, ckpt, replicas, blocks, prefix_aware, gpus)
+    server = Server(cfg, run_dir, child_env(), PORT)
     server.start(timeout=420)
     try:
         import httpx
@@ -196,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--users-per-prefix", type=int, default=3)
     ap.add_argument("--repeat", type=int, default=3, help="measured passes per configuration")
     ap.add_argument("--micro", action="store_true", help="only the routing cost, no server")
+    ap.add_argument("--gpus-per-replica", type=float, default=None, help="GPU host; default 1/R (one GPU)")
+    ap.add_argument("--skip-reference", action="store_true", help="no one-replica reference run")
     ap.add_argument("--out", default=None, help="PREFIX for PREFIX.json and PREFIX.md")
     args = ap.parse_args(argv)
     device = "cuda" if (environment().get("hardware") or {}).get("gpu") else "cpu"
@@ -215,14 +221,16 @@ def main(argv: list[str] | None = None) -> int:
                 concurrency=args.concurrency * r,
             )
             report["workload"] = asdict(w)
-            runs = [(1, "one replica, all pools", r * args.blocks, None)]
+            runs = [] if args.skip_reference else [(1, "one replica, all pools", r * args.blocks, None)]
             runs += [
                 (r, "default (power of two)", args.blocks, False),
                 (r, "prefix-aware", args.blocks, True),
             ]
             for replicas, name, blocks, aware in runs:
                 run_dir = ROOT / "benchmarks" / "runs" / f"route{r}"
-                figures = measure(device, ckpt, replicas, blocks, aware, w, run_dir, args.repeat)
+                figures = measure(
+                    device, ckpt, replicas, blocks, aware, w, run_dir, args.repeat, args.gpus_per_replica
+                )
                 print(f"{replicas} replicas, {name}: {figures}", flush=True)
                 report["runs"].append(
                     {"replicas": replicas, "router": name, "blocks": blocks, "figures": figures}
