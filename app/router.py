@@ -124,15 +124,10 @@ class PrefixAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         """(decision, replicas best first); an empty list means: use power of two choices."""
         now = time.monotonic()
         # (blocks held, -load, -blocks this router sent there, random): the max is the best replica
+        views = [self._view(r) for r in candidates]
         scored = [
-            (
-                self._view(r).held(hashes, now, self.recent_s),
-                -self._load(r),
-                -len(self._view(r).recent),
-                random.random(),
-                r,
-            )
-            for r in candidates
+            (v.held(hashes, now, self.recent_s), -self._load(r), -len(v.recent), random.random(), r)
+            for v, r in zip(views, candidates, strict=True)
         ]
         loads = [-s[1] for s in scored]
         held, neg_load, *_, best = max(scored, key=lambda s: s[:4])

@@ -179,14 +179,15 @@ def _markdown(report: dict) -> str:
 
 def _checkpoint(model: str, device: str) -> str:
     """A path as given; a make_model name made once as random weights (benchmarks/serve_stack). Ray
-    Serve from the wheelhouse where missing, here too (the routing cost imports the router)."""
-    for path in reversed(child_env()["PYTHONPATH"].split(":")):
+    Serve from the wheelhouse where missing, in this process too (the routing cost imports the router)."""
+    env = child_env()
+    for path in reversed(env["PYTHONPATH"].split(":")):
         if path not in sys.path:
             sys.path.insert(0, path)
     importlib.invalidate_caches()
     if Path(model).exists():
         return model
-    return str(ensure_checkpoint(SimpleNamespace(ckpt=None, model=model), device, child_env()))
+    return str(ensure_checkpoint(SimpleNamespace(ckpt=None, model=model), device, env))
 
 
 def main(argv: list[str] | None = None) -> int:

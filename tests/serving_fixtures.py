@@ -153,3 +153,11 @@ def wait_idle(url: str, timeout_s: float = 15.0, headers: dict | None = None) ->
         if idle == (0, 0, 0, 0) or time.monotonic() > deadline:
             return stats
         time.sleep(0.2)
+
+
+def wait_until(predicate, timeout: float, what: str) -> None:
+    """Poll `predicate` every 0.5 s until it holds; fail naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
+        time.sleep(0.5)

@@ -12,14 +12,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 import yaml
 
-from tests.serving_fixtures import ROOT, _free_port, process_alive
+from tests.serving_fixtures import ROOT, _free_port, process_alive, wait_until
 
 pytestmark = [pytest.mark.serving, pytest.mark.slow]
 # SIGINT raises KeyboardInterrupt also when this test runs where SIGINT is ignored (a background job)
@@ -29,13 +28,6 @@ SERVE = [
     "import signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
     "from ray.serve.scripts import cli; cli()",
 ]
-
-
-def _wait(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
-        time.sleep(0.5)
 
 
 def _session_pids(sid: int) -> list[int]:
@@ -75,18 +67,18 @@ def test_no_core_outlives_its_replica_or_the_server(tiny_model_dir, tmp_path):
         cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
     try:
-        _wait(lambda: _healthy(url), 180, "serve run to come up")
+        wait_until(lambda: _healthy(url), 180, "serve run to come up")
         first = httpx.get(f"{url}/v1/engine/stats", timeout=10).json()
         os.kill(first["pid"], signal.SIGKILL)  # the engine replica
-        _wait(lambda: not process_alive(first["core_pid"]), 10, "the core of the killed replica to exit")
-        _wait(lambda: _healthy(url), 180, "Serve to replace the killed replica")
+        wait_until(lambda: not process_alive(first["core_pid"]), 10, "the core of the killed replica to exit")
+        wait_until(lambda: _healthy(url), 180, "Serve to replace the killed replica")
         second = httpx.get(f"{url}/v1/engine/stats", timeout=10).json()
         assert second["core_pid"] != first["core_pid"] and process_alive(second["core_pid"])
 
         proc.send_signal(signal.SIGINT)  # Ctrl-C
         proc.wait(120)
-        _wait(lambda: not process_alive(second["core_pid"]), 30, "Ctrl-C to end the core")
-        _wait(lambda: not _session_pids(proc.pid), 30, "every process of serve run's session to exit")
+        wait_until(lambda: not process_alive(second["core_pid"]), 30, "Ctrl-C to end the core")
+        wait_until(lambda: not _session_pids(proc.pid), 30, "every process of serve run's session to exit")
     finally:
         for pid in _session_pids(proc.pid):
             os.kill(pid, signal.SIGKILL)

@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from benchmarks.prefix_workload import Workload, _one, run
-from tests.serving_fixtures import start_server, stop_server
+from tests.serving_fixtures import start_server, stop_server, wait_until
 
 pytestmark = [pytest.mark.serving, pytest.mark.slow]
 BLOCKS = 160  # per replica: about 5 of the workload's 8 prefixes (24 blocks each) and the running turns
@@ -185,11 +185,8 @@ def test_scale_down_lets_the_leaving_replica_finish_its_streams(tiny_model_dir):
         timer.join()
         assert len(before) == 2 and all("error" not in r for r in results), (streamed_s, results)
         assert streamed_s > 2.0, f"the streams ({streamed_s:.1f} s) did not outlast the redeploy's start"
-        deadline = time.monotonic() + 60
         engine = lambda: serve.status().applications["minserve"].deployments["EngineDeployment"]  # noqa: E731
-        while sum(engine().replica_states.values()) > 1:
-            assert time.monotonic() < deadline, "the second replica never left"
-            time.sleep(1)
+        wait_until(lambda: sum(engine().replica_states.values()) <= 1, 60, "the second replica to leave")
         after = {httpx.get(f"{server.url}/v1/engine/stats").json()["core_pid"] for _ in range(10)}
         assert len(after) == 1
 
@@ -225,13 +222,13 @@ def test_autoscaling_adds_a_replica_under_load_and_drains_it_when_the_load_ends(
         loader = threading.Thread(target=asyncio.run, args=(load(),))
         loader.start()
         try:
-            _wait_for(lambda: running() == 2, 120, "no second replica under load")
+            wait_until(lambda: running() == 2, 120, "a second replica under load")
             served = lambda: sorted(_requests_logged(server).values())  # noqa: E731
-            _wait_for(lambda: len(served()) == 2 and served()[0] > 0, 60, "the new replica served none")
+            wait_until(lambda: len(served()) == 2 and served()[0] > 0, 60, "requests on the new replica")
         finally:
             stop.set()
             loader.join()
-        _wait_for(lambda: sum(engine().replica_states.values()) == 1, 120, "the second replica never left")
+        wait_until(lambda: sum(engine().replica_states.values()) == 1, 120, "the second replica to leave")
         after = run(server.url, server.model, replace(WORKLOAD, users=4, turns=1), vocab)
     assert results and all("error" not in r for r in results), [r for r in results if "error" in r][:3]
     assert after["num_failures"] == 0, after
@@ -241,10 +238,3 @@ def _requests_logged(server) -> dict[str, int]:
     """Engine replica log -> its one-line-per-request records so far (app/replica_support.log_finished)."""
     logs = Path(server.session_dir) / "logs" / "serve"
     return {p.name: p.read_text().count(" -- request ") for p in logs.glob("replica_*EngineDeployment*.log")}
-
-
-def _wait_for(condition, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(1)
