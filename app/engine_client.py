@@ -28,10 +28,10 @@ from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
+from app import routing_table
 from app.errors import ApiError, internal, overloaded
 from app.prefix_keys import PrefixKeys
 from app.router import HASHES_KWARG
-from app.routing_table import replica_of
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("ray.serve")
@@ -65,13 +65,21 @@ class EngineStream:
         self.index, self.request_id, self.gen, self.retry_after = index, request_id, gen, retry_after
         self._abort = abort
         self.done = False  # the engine side has returned: nothing to cancel
+        self.started = False  # an output (or the end) has come: its prefill is no longer pending
         self.accepted: dict = {}  # the first item, once `open` has it
 
     def cancel(self) -> None:
+        self._mark_started()
         if not self.done:
             self.done = True
             self.gen.cancel()
             self._abort(self.request_id)
+
+    def _mark_started(self) -> None:
+        """Tell the router (app/routing_table.py) that this request's prefill is no longer ahead of others."""
+        if not self.started:
+            self.started = True
+            routing_table.started(self.request_id)
 
     async def next(self) -> Item:
         """The next item; the stream is done after an ApiError or the finished output."""
@@ -79,11 +87,15 @@ class EngineStream:
             item = await self.gen.__anext__()
         except StopAsyncIteration:
             self.done = True
+            self._mark_started()
             return internal("engine stream ended without a final output")
         except Exception as exc:
             self.done = True
+            self._mark_started()
             return call_failure(exc, self.retry_after)
         self.done = isinstance(item, ApiError) or item.get("finished", False)
+        if self.done or item.get("kind") != "accepted":
+            self._mark_started()
         return item
 
 
@@ -112,7 +124,7 @@ class EngineClient:
         """One call per replica the requests went to, as far as the router knows (app/router.py)."""
         groups: dict[object, list[str]] = {}
         for rid in self._aborts:
-            groups.setdefault(replica_of(rid), []).append(rid)
+            groups.setdefault(routing_table.replica_of(rid), []).append(rid)
         self._aborts = []
         for ids in groups.values():
             self._abort_method.remote(request_ids=ids)
@@ -161,7 +173,7 @@ async def _first(stream: EngineStream, call: Callable[[], DeploymentResponseGene
         logger.warning(
             "engine call %s: its replica was gone before it started; calling again", stream.request_id
         )
-        stream.gen, stream.done = call(), False
+        stream.gen, stream.done, stream.started = call(), False, False
         item = await stream.next()
     return item
 

@@ -73,6 +73,10 @@ class EngineDeployment:
         self._streams: dict[str, Stream] = {}
         self._early_aborts = EarlyAborts()
         self._node_id = ray.get_runtime_context().get_node_id()  # stats: where Ray placed this replica
+        # the accelerator this replica computes on: replicas that share one (fractional num_gpus, or CPU
+        # replicas of one host) share its queue of work, and the router adds their pending work up
+        gpus = ",".join(str(g) for g in ray.get_gpu_ids())
+        self._device_key = f"{self._node_id}:{gpus or 'cpu'}"
         self._flush_scheduled = False
         # Several threads share this process's GIL (the event loop, the core client's reader, Ray's own):
         # a thread woken by I/O should not wait the default 5 ms for the running one to yield.
@@ -130,6 +134,7 @@ class EngineDeployment:
         return {
             "prefix_stride": stride,
             "prefix_hashes": hashes,
+            "device": self._device_key,
             "num_running": stats.get("num_running", 0),
             "num_waiting": stats.get("num_waiting", 0),
         }

@@ -4,15 +4,23 @@ A request whose leading KV blocks a replica already holds skips their prefill th
 prompt or a multi-turn chat should land where its blocks are. Serve's default power-of-two router
 ignores that. This router scores each candidate replica by how many of the request's leading blocks it
 holds, using the engine's own block hashes (engine/block_manager.chain_hash over the prompt's token
-ids after the chat template, computed by the ingress: app/prefix_keys.py), and:
-  cache_hit  the best-scoring replica (ties: the less loaded) is ranked first, others after it;
-  balanced   no replica holds a block: the least loaded one is ranked first (ties: the one this router
-             has sent the fewest blocks to, then at random), and becomes the prefix's home;
-  fallback   the best-scoring replica's load exceeds the least loaded one's by more than
-             `imbalance_abs` requests and by more than `imbalance_rel` times: power of two choices.
-             A GPU replica runs up to hundreds of streams, so the default margin (32) is wide: a
-             narrow one sends a prefix's requests away at every burst, and each becomes a second
-             home for it that crowds the other replica's pool (benchmarks/reports/gpu/prefix_routing*).
+ids after the chat template, computed by the ingress: app/prefix_keys.py). A request's first token
+waits for the prefill queued ahead of it on its replica's accelerator and then for its own uncached
+blocks, so the router picks the replica with the least of
+    work ahead (blocks routed to the replicas on its GPU, not started yet: app/routing_table.py)
+    + the request's blocks that replica does not hold,
+ties going to the one holding more, then the less loaded, then the one sent fewer blocks, then at
+random. The decision is recorded as
+  cache_hit  the replica chosen holds the most of the request's blocks;
+  balanced   no replica holds a block (the chosen one becomes the prefix's home), or the work queued
+             at the holder outweighs the prefill the cache saves;
+  fallback   the replica chosen holds blocks, but its load exceeds the least loaded one's by more
+             than `imbalance_abs` requests and by more than `imbalance_rel` times: power of two
+             choices. A guard against load the work estimate cannot see (long decodes, another
+             ingress's requests); a GPU replica runs hundreds of streams, so the margin is wide.
+Replicas that share an accelerator (fractional num_gpus, or CPU replicas of one host) share its work:
+with one GPU split in two, the holder's queue is the other replica's queue too, and only the cache
+decides (benchmarks/reports/gpu/prefix_routing*).
 Calls without hashes (stats, info, tokenize) go by power of two choices. An `abort(request_ids)` goes
 to the replica its first id was routed to: the ingress groups its aborts by `routing_table.replica_of`
 (the router runs inside the ingress's process, in its handle; app/routing_table.py says why the
@@ -61,11 +69,13 @@ class ReplicaView:
         self.recent: OrderedDict[int, float] = OrderedDict()  # hash -> when this router sent it there
         self._stats_seen: object = None
         self.stride, self.published = 1, frozenset()
+        self.device: str | None = None  # the accelerator it runs on, once it has published
 
     def refresh(self, stats: dict) -> None:
         if stats is not self._stats_seen and "prefix_hashes" in stats:  # a new publication
             self._stats_seen = stats
             self.stride, self.published = stats["prefix_stride"], frozenset(stats["prefix_hashes"])
+            self.device = stats.get("device")
 
     def sent(self, hashes: list[int], now: float) -> None:
         for h in hashes:
@@ -120,24 +130,34 @@ class PrefixAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         stats = replica.routing_stats or {}
         return stats.get("num_running", 0) + stats.get("num_waiting", 0)
 
+    def _work_ahead(self, candidates: list[RunningReplica], views: list[ReplicaView]) -> list[int]:
+        """Pending prefill blocks on each candidate's accelerator (summed over replicas sharing it)."""
+        devices = [v.device or r.replica_id for v, r in zip(views, candidates, strict=True)]
+        per_device: dict[object, int] = {}
+        for d, r in zip(devices, candidates, strict=True):
+            per_device[d] = per_device.get(d, 0) + routing_table.pending_blocks(r.replica_id)
+        return [per_device[d] for d in devices]
+
     def rank(self, candidates: list[RunningReplica], hashes: list[int]) -> tuple[str, list[RunningReplica]]:
         """(decision, replicas best first); an empty list means: use power of two choices."""
         now = time.monotonic()
-        # (blocks held, -load, -blocks this router sent there, random): the max is the best replica
         views = [self._view(r) for r in candidates]
-        scored = [
-            (v.held(hashes, now, self.recent_s), -self._load(r), -len(v.recent), random.random(), r)
-            for v, r in zip(views, candidates, strict=True)
+        held = [v.held(hashes, now, self.recent_s) for v in views]
+        loads = [self._load(r) for r in candidates]
+        ahead = self._work_ahead(candidates, views)
+        key = [
+            (ahead[i] + len(hashes) - held[i], -held[i], loads[i], len(views[i].recent), random.random())
+            for i in range(len(candidates))
         ]
-        loads = [-s[1] for s in scored]
-        held, neg_load, *_, best = max(scored, key=lambda s: s[:4])
-        if held == 0:  # a new prefix: its home is the least loaded replica, then the one given least
-            least = max(scored, key=lambda s: s[1:4])[-1]
-            return "balanced", [least] + [r for r in candidates if r is not least]
-        least_load, best_load = min(loads), -neg_load
-        if best_load - least_load > self.imbalance_abs and best_load > self.imbalance_rel * least_load:
+        best = min(range(len(candidates)), key=key.__getitem__)
+        ranked = [candidates[best]] + [r for i, r in enumerate(candidates) if i != best]
+        most = max(held)
+        if most == 0 or held[best] < most:
+            return "balanced", ranked
+        least = min(loads)
+        if loads[best] - least > self.imbalance_abs and loads[best] > self.imbalance_rel * least:
             return "fallback", []
-        return "cache_hit", [best] + [r for r in candidates if r is not best]
+        return "cache_hit", ranked
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
@@ -164,9 +184,12 @@ class PrefixAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         hashes = kwargs.get(HASHES_KWARG)
         if not hashes:
             return
+        now = time.monotonic()
         view = self.views.get(replica_id)
+        # the blocks it must prefill there (+1: the prompt's tail, which no full-block hash covers)
+        missing = len(hashes) + 1 - (view.held(hashes, now, self.recent_s) if view is not None else 0)
         if view is not None:
-            view.sent(hashes, time.monotonic())
+            view.sent(hashes, now)
         rid = kwargs.get("request_id")
         if rid is not None:
-            routing_table.routed(rid, replica_id)
+            routing_table.routed(rid, replica_id, missing)

@@ -14,6 +14,9 @@ holds about half of them: the default router makes every replica see every promp
 one gives each prompt a home. A single replica with all R pools in one is the reference hit rate.
 Each configuration is a fresh `serve run`: one warm-up pass, then `--repeat` measured passes, each
 with system prompts of its own; the table gives their mean (TTFT: mean of the passes' percentiles).
+Those passes are closed loop (a faster router also gets more requests/s); `--open-loop F` adds one
+open-loop pass per router at F times the default router's closed-loop requests/s, so both compare at
+equal throughput.
 """
 
 from __future__ import annotations
@@ -60,9 +63,12 @@ def measure(
     run_dir: Path,
     repeat: int,
     gpus: float | None = None,
+    open_rate: float | None = None,
+    open_fraction: float = 0.0,
 ) -> dict:
     """One server; a warm-up pass, then `repeat` passes, each with system prompts of its own (seeds
-    differ): the figures of each pass, and their mean."""
+    differ): the figures of each pass, and their mean; then one open-loop pass at `open_rate`
+    requests/s, or at `open_fraction` times the closed-loop passes' requests/s (neither: none)."""
     cfg = _config(device, ckpt, replicas, blocks, prefix_aware, gpus)
     server = Server(cfg, run_dir, child_env(), PORT)
     server.start(timeout=420)
@@ -77,13 +83,19 @@ def measure(
             for i in range(repeat)
         ]
         decisions = {k: v - before.get(k, 0) for k, v in _decisions(server.url).items()}
+        open_rate = open_rate or open_fraction * _mean([p["requests_per_s"] for p in passes], 2)
+        if open_rate:
+            open_w = replace(w, seed=w.seed + 500, user_rate=open_rate / w.turns)
+            opened = {"offered_requests_per_s": round(open_rate, 1)}
+            opened |= run(server.url, info["id"], open_w, info["vocab_size"])
     finally:
         server.stop()
     keys = ("hit_rate", "ttft_p50_ms", "ttft_p99_ms", "requests_per_s", "prompt_tokens_per_s")
     keys += ("ttft_p50_hit_ms", "ttft_p50_miss_ms")
     mean = {k: _mean([p[k] for p in passes], 4 if k == "hit_rate" else 1) for k in keys}
     failures = sum(p["num_failures"] for p in passes)
-    return {**mean, "num_failures": failures, "decisions": decisions, "passes": passes}
+    figures = {**mean, "num_failures": failures, "decisions": decisions, "passes": passes}
+    return figures | ({"open_loop": opened} if open_rate else {})
 
 
 def _decisions(url: str) -> dict:
@@ -168,6 +180,7 @@ def _markdown(report: dict) -> str:
             + " ".join(f"{k} {v}" for k, v in sorted(f.get("decisions", {}).items()))
             + " |"
         )
+    lines += _open_loop_table(report["runs"])
     if report.get("micro"):
         lines += [
             "",
@@ -175,6 +188,27 @@ def _markdown(report: dict) -> str:
             + ", ".join(f"{k} {v}" for k, v in report["micro"].items()),
         ]
     return "\n".join(lines) + "\n"
+
+
+def _open_loop_table(runs: list[dict]) -> list[str]:
+    rows = [r for r in runs if "open_loop" in r["figures"]]
+    if not rows:
+        return []
+    lines = [
+        "",
+        "Open loop (equal offered load: users arrive at a fixed rate, whatever the router):",
+        "",
+        "| replicas | router | offered req/s | served req/s | hit rate | TTFT p50 ms | TTFT p99 ms | fails |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        o = row["figures"]["open_loop"]
+        lines.append(
+            f"| {row['replicas']} | {row['router']} | {o['offered_requests_per_s']} | "
+            f"{o['requests_per_s']} | {o['hit_rate']:.3f} | {o['ttft_p50_ms']} | {o['ttft_p99_ms']} | "
+            f"{o['num_failures']} |"
+        )
+    return lines
 
 
 def _checkpoint(model: str, device: str) -> str:
@@ -203,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--micro", action="store_true", help="only the routing cost, no server")
     ap.add_argument("--gpus-per-replica", type=float, default=None, help="GPU host; default 1/R (one GPU)")
     ap.add_argument("--skip-reference", action="store_true", help="no one-replica reference run")
+    ap.add_argument("--open-loop", type=float, default=0.0, help="F: open-loop pass at F x default req/s")
     ap.add_argument("--out", default=None, help="PREFIX for PREFIX.json and PREFIX.md")
     args = ap.parse_args(argv)
     device = "cuda" if (environment().get("hardware") or {}).get("gpu") else "cpu"
@@ -227,11 +262,24 @@ def main(argv: list[str] | None = None) -> int:
                 (r, "default (power of two)", args.blocks, False),
                 (r, "prefix-aware", args.blocks, True),
             ]
+            open_rate = None  # set from the default router's closed-loop throughput
             for replicas, name, blocks, aware in runs:
                 run_dir = ROOT / "benchmarks" / "runs" / f"route{r}"
+                opening = dict(open_rate=open_rate, open_fraction=args.open_loop if aware is False else 0.0)
                 figures = measure(
-                    device, ckpt, replicas, blocks, aware, w, run_dir, args.repeat, args.gpus_per_replica
+                    device,
+                    ckpt,
+                    replicas,
+                    blocks,
+                    aware,
+                    w,
+                    run_dir,
+                    args.repeat,
+                    args.gpus_per_replica,
+                    **(opening if aware is not None else {}),
                 )
+                if "open_loop" in figures:
+                    open_rate = figures["open_loop"]["offered_requests_per_s"]
                 print(f"{replicas} replicas, {name}: {figures}", flush=True)
                 report["runs"].append(
                     {"replicas": replicas, "router": name, "blocks": blocks, "figures": figures}

@@ -5,8 +5,10 @@ Each of `prefixes` system prompts (random token ids, `prefix_len` long) is share
 user has `turns` turns, and turn t's prompt is the system prompt plus the user's earlier turns (each a
 fresh question and a fixed stand-in answer) plus a new question. So a turn shares its system prompt
 with every user of that prompt, and its whole history with its own earlier turns. Users run
-`concurrency` at a time, each one's turns in order. Requests are streaming /v1/completions with token
-ids, `max_tokens` each, usage in the last chunk (prompt_tokens_details.cached_tokens: the hit rate).
+`concurrency` at a time, each one's turns in order (closed loop); or, with `user_rate`, a new user
+starts every 1 / user_rate seconds whatever the server's pace (open loop: equal offered load for the
+routers compared). Requests are streaming /v1/completions with token ids, `max_tokens` each, usage in
+the last chunk (prompt_tokens_details.cached_tokens: the hit rate).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class Workload:
     answer_len: int = 24
     max_tokens: int = 4
     concurrency: int = 4
+    user_rate: float = 0.0  # users started per second (open loop); 0: `concurrency` users at a time
     seed: int = 0
 
 
@@ -82,8 +85,18 @@ async def _run(url: str, model: str, w: Workload, vocab_size: int, headers: dict
             for prompt in turns:
                 results.append(await _one(http, model, prompt, w.max_tokens))
 
-    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=120) as http:
-        await asyncio.gather(*(user_loop(http) for _ in range(w.concurrency)))
+    async def user_at(http: httpx.AsyncClient, start: float, turns: list[list[int]]) -> None:
+        await asyncio.sleep(start)
+        for prompt in turns:
+            results.append(await _one(http, model, prompt, w.max_tokens))
+
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=120, limits=limits) as http:
+        if w.user_rate > 0:
+            users = list(todo)
+            await asyncio.gather(*(user_at(http, i / w.user_rate, t) for i, t in enumerate(users)))
+        else:
+            await asyncio.gather(*(user_loop(http) for _ in range(w.concurrency)))
     return results
 
 

@@ -14,6 +14,7 @@ import pytest
 
 from app import routing_table
 from app.chat import ChatPrompt
+from app.engine_client import EngineStream
 from app.prefix_keys import PrefixKeys
 from app.prompts import prepare
 from app.router import HASHES_KWARG, PrefixAwareRouter, ReplicaView
@@ -25,6 +26,16 @@ from tests.conftest import ROOT
 
 pytestmark = pytest.mark.serving
 BS = 16
+
+
+@pytest.fixture(autouse=True)
+def _no_pending_work():
+    """The routing table is process-wide: each test starts with no prefill pending anywhere."""
+    routing_table.UNSTARTED.clear()
+    routing_table.PENDING_BLOCKS.clear()
+    yield
+    routing_table.UNSTARTED.clear()
+    routing_table.PENDING_BLOCKS.clear()
 
 
 def _cached_pool(prompts: list[list[int]], num_blocks: int = 512) -> BlockManager:
@@ -89,14 +100,16 @@ class _Cache:
         return self.lens.get(replica_id)
 
 
-def _router(loads: dict[str, int], published: dict[str, list[list[int]]], **kwargs):
+def _router(loads: dict[str, int], published: dict[str, list[list[int]]], devices=None, **kwargs):
+    """devices: replica -> the accelerator it publishes (default: one of its own)."""
     router = object.__new__(PrefixAwareRouter)  # the decision logic only: no Serve handle behind it
     router.initialize_state(**kwargs)
     router._replica_queue_len_cache = _Cache(loads)
     replicas = []
     for name in loads:
         stride, hashes = _cached_pool(published.get(name, [])).prefix_summary(4096)
-        stats = {"prefix_stride": stride, "prefix_hashes": hashes}
+        device = (devices or {}).get(name, f"node:{name}")
+        stats = {"prefix_stride": stride, "prefix_hashes": hashes, "device": device}
         replicas.append(SimpleNamespace(replica_id=name, routing_stats=stats))
     return router, replicas
 
@@ -127,6 +140,7 @@ def test_router_remembers_what_it_sent_until_the_replica_publishes_it():
     assert decision == "balanced"
     pending = SimpleNamespace(kwargs={HASHES_KWARG: hashes, "request_id": "req-1"})
     router.on_request_routed(pending, ranked[0].replica_id, None)
+    routing_table.started("req-1")  # its prefill is done (the ingress saw its first output)
     assert router.rank([r1, r2], hashes) == ("cache_hit", ranked)  # before any publication
     router.recent_s = 0.0  # the memory has aged out, and nothing was published: no affinity left
     assert router.rank([r1, r2], hashes)[0] == "balanced"
@@ -144,6 +158,80 @@ def test_router_falls_back_when_the_holder_is_overloaded():
     assert router.rank([r1, r2], hashes)[0] == "cache_hit"  # 35 more but only 1.41x: within imbalance_rel
     router, (r1, r2) = _router({"r1": 20, "r2": 4}, {"r1": [sys_a]}, imbalance_abs=8)
     assert router.rank([r1, r2], hashes) == ("fallback", [])  # a narrower margin set in serve_config
+
+
+def test_prefill_queued_at_the_holder_can_outweigh_what_its_cache_saves():
+    """Each replica on a GPU of its own: the holder wins while the work queued there is less than the
+    request's 8 blocks the other replica would have to prefill, and loses once it is more."""
+    rng = random.Random(6)
+    sys_a = [rng.randrange(8, 30000) for _ in range(8 * BS)]
+    hashes = block_hashes(sys_a + [7] * 10, BS, 256)
+    router, (r1, r2) = _router({"r1": 3, "r2": 3}, {"r1": [sys_a]})
+    routing_table.routed("queued-1", "r1", 5)
+    assert router.rank([r1, r2], hashes) == ("cache_hit", [r1, r2])  # 5 + 0 blocks < 0 + 8
+    routing_table.routed("queued-2", "r1", 20)
+    assert router.rank([r1, r2], hashes) == ("balanced", [r2, r1])  # 25 + 0 > 0 + 8
+    routing_table.started("queued-2")  # its first output came: no longer ahead of anyone
+    routing_table.started("queued-2")  # (idempotent)
+    assert router.rank([r1, r2], hashes)[0] == "cache_hit"
+    assert routing_table.pending_blocks("r1") == 5
+
+
+def test_replicas_sharing_a_gpu_share_its_queue_and_only_the_cache_decides():
+    rng = random.Random(7)
+    sys_a = [rng.randrange(8, 30000) for _ in range(8 * BS)]
+    hashes = block_hashes(sys_a + [7] * 10, BS, 256)
+    router, (r1, r2) = _router({"r1": 3, "r2": 3}, {"r1": [sys_a]}, {"r1": "n:0", "r2": "n:0"})
+    routing_table.routed("queued", "r1", 40)
+    assert router.rank([r1, r2], hashes) == ("cache_hit", [r1, r2])  # 40 + 0 < 40 + 8
+
+
+def test_routed_requests_count_the_blocks_their_replica_must_prefill():
+    rng = random.Random(8)
+    sys_a = [rng.randrange(8, 30000) for _ in range(8 * BS)]
+    hashes = block_hashes(sys_a + [7] * 10, BS, 256)
+    router, (r1, r2) = _router({"r1": 0, "r2": 0}, {"r1": [sys_a]})
+    router.rank([r1, r2], hashes)  # the router learns the replicas' views as it ranks them
+    for rid, replica in (("to-holder", "r1"), ("elsewhere", "r2")):
+        router.on_request_routed(
+            SimpleNamespace(kwargs={HASHES_KWARG: hashes, "request_id": rid}), replica, None
+        )
+    # the tail beyond the last full block is always prefilled: 1 block at the holder, 8 + 1 elsewhere
+    assert (routing_table.pending_blocks("r1"), routing_table.pending_blocks("r2")) == (1, 9)
+    routing_table.routed("elsewhere", "r1", 9)  # called again after r2 died: its work moves
+    assert (routing_table.pending_blocks("r1"), routing_table.pending_blocks("r2")) == (10, 0)
+
+
+class _Gen:
+    """A DeploymentResponseGenerator stand-in: yields the given items, records cancel()."""
+
+    def __init__(self, items: list[dict]):
+        self.items, self.cancelled = list(items), False
+
+    async def __anext__(self) -> dict:
+        return self.items.pop(0)
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+def test_an_engine_stream_is_pending_until_its_first_output_or_its_end():
+    accepted, output = {"kind": "accepted"}, {"kind": "output", "finished": False}
+
+    async def run() -> None:
+        routing_table.routed("a", "r1", 6)
+        stream = EngineStream(0, "a", _Gen([accepted, output]), lambda rid: None, 1)
+        await stream.next()
+        assert routing_table.pending_blocks("r1") == 6  # accepted, still queued for prefill
+        await stream.next()
+        assert routing_table.pending_blocks("r1") == 0
+        routing_table.routed("b", "r1", 4)
+        stream = EngineStream(0, "b", _Gen([accepted]), lambda rid: None, 1)
+        await stream.next()
+        stream.cancel()  # the client left before its first token
+        assert routing_table.pending_blocks("r1") == 0 and stream.gen.cancelled
+
+    asyncio.run(run())
 
 
 def test_new_prefixes_spread_evenly_over_equally_loaded_replicas():
