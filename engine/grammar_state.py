@@ -8,10 +8,15 @@ tokens) or a prefix-cache hit nothing needs replaying. `fork` copies the state f
 BitmaskFiller fills one int32 row per constrained sampling row (bit t of the row allows token t) into
 pinned host memory, all rows in one llguidance call that runs on its thread pool without the GIL, and
 uploads it asynchronously. It runs after the step's forward pass was enqueued, so on a GPU the host
-work overlaps the forward.
+work overlaps the forward. `start` runs the fill of several rows on a worker thread: the caller's
+Python work (emitting records, scheduling the next step) goes on meanwhile, and `join` uploads.
+Matchers being filled must not be advanced before the join (the engine joins before it appends).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -66,7 +71,8 @@ class BitmaskFiller:
         self._pin = device.type == "cuda"
         self._buffers: list[tuple[torch.Tensor, torch.cuda.Event | None] | None] = [None] * self.BUFFERS
         self._turn = 0
-        self._executor = None
+        self._executor = None  # llguidance's own thread pool (fills rows in parallel)
+        self._worker: ThreadPoolExecutor | None = None  # runs a fill behind the caller's back
 
     def _buffer(self, rows: int) -> torch.Tensor:
         self._turn = (self._turn + 1) % self.BUFFERS
@@ -83,10 +89,24 @@ class BitmaskFiller:
 
     def fill(self, states: list[GrammarState]) -> torch.Tensor:
         """The bitmask [len(states), words] on the device (int32, bit t of word t // 32 allows t)."""
+        return self.start(states, background=False)()
+
+    def start(self, states: list[GrammarState], background: bool = True) -> Callable[[], torch.Tensor]:
+        """Begin filling; the returned join waits for the fill, uploads, and gives the device bitmask.
+        One row is filled at once (a thread hand-off would cost more than it hides)."""
+        host, turn = self._buffer(len(states)), self._turn
+        if background and len(states) > 1:
+            if self._worker is None:
+                self._worker = ThreadPoolExecutor(1, thread_name_prefix="minserve-bitmask")
+            future = self._worker.submit(self._fill_host, states, host)
+            return lambda: self._upload(future.result(), turn)
+        self._fill_host(states, host)
+        return lambda: self._upload(host, turn)
+
+    def _fill_host(self, states: list[GrammarState], host: torch.Tensor) -> torch.Tensor:
         import llguidance
         import llguidance.torch as llt
 
-        host = self._buffer(len(states))
         if len(states) == 1:
             llt.fill_next_token_bitmask(states[0].matcher, host, 0)
         else:
@@ -95,10 +115,13 @@ class BitmaskFiller:
             llt.fill_next_token_bitmask_par(
                 self._executor, [(s.matcher, i) for i, s in enumerate(states)], host
             )
+        return host
+
+    def _upload(self, host: torch.Tensor, turn: int) -> torch.Tensor:
         if self.device.type != "cuda":
             return host.clone()  # the buffer is refilled next step while a CPU caller may keep this
         out = host.to(self.device, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        self._buffers[self._turn] = (self._buffers[self._turn][0], event)
+        self._buffers[turn] = (self._buffers[turn][0], event)
         return out

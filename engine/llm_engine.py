@@ -11,6 +11,7 @@ host has seen the first one's tokens, so the device never waits for the host's t
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import itertools
 import logging
@@ -65,9 +66,10 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._failed: list[Request] = []
         self._touched: dict[str, Request] = {}  # requests with tokens not yet turned into outputs
-        # launched, not yet completed; its draw is a DeferredSample only between _launch_ahead and the
-        # end of the same _step (rows with a grammar or penalties: SchedulerOutput.draw_late)
-        self._ahead: tuple[SchedulerOutput, PendingSample | None] | None = None
+        # launched, not yet completed; its draw is a DeferredSample (rows with a grammar or penalties:
+        # SchedulerOutput.draw_late) from its launch until the next _step joins it, its mask fill begun
+        # by _start_draw at the end of the _step that launched it
+        self._ahead: tuple[SchedulerOutput, PendingSample | DeferredSample | None] | None = None
         self._ids = itertools.count()
         self.stats = {
             "num_aborts": 0,
@@ -152,7 +154,7 @@ class LLMEngine:
 
         While the device computes this step, the host turns the previous step's tokens into text and
         outputs (`_emit`), so that work costs no GPU time; outputs therefore trail tokens by one step.
-        A decode step also gets its successor launched behind it (`_launch_ahead`) before its tokens
+        A decode step also gets its successor launched behind it (`_launch_next`) before its tokens
         are waited for: the next call runs that one instead of scheduling afresh.
         """
         return self._step(self._emit, self.outputs.finish_output)
@@ -169,12 +171,21 @@ class LLMEngine:
         self, emit: Callable[[], list], finish: Callable[[Request], object], emit_first: bool = True
     ) -> list:
         if self._ahead is not None and not self.scheduler.running:
-            self._ahead = None  # every sequence in it has finished since: nothing to wait for
+            self._drop_ahead()  # every sequence in it has finished since: nothing to wait for
         out, pending = self._ahead or self._schedule_and_launch()
-        ahead = self._launch_ahead(out, pending)
-        outputs = emit() if emit_first else []
+        # The step after `out` is scheduled now and launched behind it, fed `out`'s sampled ids on the
+        # device. A deferred draw of `out` has its mask fill running (begun by the previous call): it
+        # is joined only after the scheduling, and after the emit when the emit comes first.
+        nxt = self.scheduler.schedule_ahead(out) if pending is not None else None
+        outputs = None
+        if emit_first and isinstance(pending, DeferredSample):
+            outputs = emit()  # the device is still on `out`'s forward: it cannot sample before the join
+        pending = self._finish_draw(out, pending)
+        ahead = self._launch_next(nxt, pending)
+        if emit_first and outputs is None:
+            outputs = emit()
         self._complete(out, pending)
-        self._ahead = self._draw_deferred(ahead)
+        self._ahead = self._start_draw(ahead)
         if not emit_first:
             outputs = emit()
         failed, self._failed = self._failed, []  # each failed request gets one final output
@@ -184,28 +195,47 @@ class LLMEngine:
         out = self.scheduler.schedule()
         return out, self._launch(out)
 
-    def _launch_ahead(
-        self, out: SchedulerOutput, pending: PendingSample | None
-    ) -> tuple[SchedulerOutput, PendingSample | None] | None:
-        """Schedule and launch the step after `out` now, feeding back its sampled ids on the device."""
-        if pending is None:
+    def _launch_next(
+        self, nxt: SchedulerOutput | None, pending: PendingSample | None
+    ) -> tuple[SchedulerOutput, PendingSample | DeferredSample | None] | None:
+        """Launch a step scheduled ahead, its input ids the previous step's samples (`pending`)."""
+        if nxt is None:
             return None
-        ahead = self.scheduler.schedule_ahead(out)
-        if ahead is None:
-            return None
-        return ahead, self._launch(ahead, pending)
+        if pending is None:  # the previous step's draw failed: its requests (all of nxt's) have failed
+            self._fail_chunks(nxt, RuntimeError("the previous step's draw failed"))
+            return nxt, None
+        return nxt, self._launch(nxt, pending)
 
-    def _draw_deferred(self, ahead: tuple[SchedulerOutput, object] | None):
-        """A step launched ahead whose draw reads host state (grammars, penalties) samples only now:
-        `_complete` has just appended the previous step's tokens and advanced every matcher by them.
-        The device still runs the step's forward meanwhile."""
-        if ahead is None or not isinstance(ahead[1], DeferredSample):
-            return ahead
+    def _finish_draw(self, out: SchedulerOutput, pending):
+        """A deferred draw joined and enqueued (a failed one fails its requests: None)."""
+        if not isinstance(pending, DeferredSample):
+            return pending
         try:
-            return ahead[0], ahead[1].finish()
+            return pending.finish()
         except Exception as exc:
-            self._fail_chunks(ahead[0], exc)
-            return ahead[0], None
+            self._fail_chunks(out, exc)
+            return None
+
+    def _start_draw(self, ahead: tuple[SchedulerOutput, object] | None):
+        """A step launched ahead whose draw reads host state (grammars, penalties) can begin it only
+        now: `_complete` has just appended the previous step's tokens and advanced every matcher by
+        them. Its mask fill runs on a worker thread while this step's outputs are emitted and the next
+        one is scheduled; the device runs the step's forward meanwhile."""
+        if ahead is not None and isinstance(ahead[1], DeferredSample):
+            try:
+                ahead[1].start()
+            except Exception as exc:
+                self._fail_chunks(ahead[0], exc)
+                return ahead[0], None
+        return ahead
+
+    def _drop_ahead(self) -> None:
+        """Forget the step launched ahead, after any mask fill of it has finished (its buffer is reused)."""
+        _, pending = self._ahead
+        self._ahead = None
+        if isinstance(pending, DeferredSample):
+            with contextlib.suppress(Exception):  # its requests have all finished
+                pending.finish()
 
     def _launch(self, out: SchedulerOutput, prev: PendingSample | None = None) -> PendingSample | None:
         now = time.time()

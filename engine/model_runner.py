@@ -31,11 +31,22 @@ from engine.uploader import Uploader
 
 class DeferredSample:
     """The draw of a step launched ahead whose rows read host state (grammar matchers, penalties' token
-    history; SchedulerOutput.draw_late): forward and logits are enqueued; `finish()` fills the masks and
-    enqueues the sampling once the engine has appended the previous step's tokens."""
+    history; SchedulerOutput.draw_late): forward and logits are enqueued. Once the engine has appended
+    the previous step's tokens, `start()` begins the constrained rows' mask fill on a worker thread,
+    and `finish()` joins it and enqueues the sampling; between the two the engine does its other host
+    work. `finish()` alone does both."""
 
-    def __init__(self, draw: Callable[[], PendingSample]):
-        self.finish = draw
+    def __init__(self, start: Callable[[], Callable[[], PendingSample]]):
+        self._start = start
+        self._finish: Callable[[], PendingSample] | None = None
+
+    def start(self) -> None:
+        if self._finish is None:
+            self._finish = self._start()
+
+    def finish(self) -> PendingSample:
+        self.start()
+        return self._finish()
 
 
 class ModelRunner:
@@ -107,17 +118,26 @@ class ModelRunner:
             # launched ahead: the host has not appended the previous step's tokens, which the grammars
             # and penalties read; the engine draws once it has, while the device runs this forward
             return DeferredSample(
-                functools.partial(self._draw, logits, rows, scores, batch.samplers, constrained)
+                functools.partial(self._start_draw, logits, rows, scores, batch.samplers, constrained, True)
             )
-        return self._draw(logits, rows, scores, batch.samplers, constrained)
+        return self._start_draw(logits, rows, scores, batch.samplers, constrained)()
+
+    def _start_draw(
+        self, logits, rows, scores, samplers, constrained: list[int], background: bool = False
+    ) -> Callable[[], PendingSample]:
+        """Begin the draw: with constrained rows, their bitmask fill on the host (the forward is already
+        enqueued, so on a GPU this overlaps it; in the `background`, it overlaps the caller's work too).
+        The returned function uploads the mask and enqueues the sampling."""
+        if not constrained:
+            return functools.partial(self._sample, logits, rows, scores, None, constrained)
+        join = self.bitmasks.start([samplers[i].grammar for i in constrained], background)
+        return lambda: self._sample(logits, rows, scores, join, constrained)
 
     @torch.inference_mode()
-    def _draw(self, logits, rows, scores, samplers, constrained: list[int]) -> PendingSample:
-        """Sample; with constrained rows, first fill their bitmask on the host (the forward is already
-        enqueued, so on a GPU this overlaps it) and upload it."""
-        if not constrained:
+    def _sample(self, logits, rows, scores, join_mask, constrained: list[int]) -> PendingSample:
+        if join_mask is None:
             return self.sampler(logits, rows) if scores is None else self.sampler(logits, rows, scores)
-        bitmask = self.bitmasks.fill([samplers[i].grammar for i in constrained])
+        bitmask = join_mask()
         index = None  # every row constrained: bitmask row i is sampling row i
         if len(constrained) < len(rows):
             index = self.upload.values("mask_rows", constrained, torch.long)
