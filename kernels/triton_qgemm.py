@@ -3,7 +3,8 @@
 Weights follow kernels/triton_qgemv.py's contract ("channel": scale [N]; "block": scale [NB, cdiv(K, 128)]
 with the scale row of output n at row_block[n]). act_quant picks the operands of the tensor-core dot:
   None            weight-only: x as is, each weight tile converted to x's dtype in registers (exact for
-                  fp8 and int8 into bf16 / fp16), one bf16 / fp16 dot;
+                  "channel", whose scale waits for the epilogue; "block" rounds q * scale once), one
+                  bf16 / fp16 dot (fp32 x: an IEEE fp32 dot, no TF32);
   "int8_token"    int8 weights: x -> int8 with one scale per row (sx = amax|x| / 127, round half to even),
                   int8 dot into an exact int32 accumulator;
   "fp8_token"     fp8 weights: x -> e4m3 with one scale per row (sx = amax / 448), fp8 dot;
@@ -21,9 +22,9 @@ the exact cast, so the Triton interpreter, whose fp8 cast rounds half-up without
 code; the interpreter also runs the fp8 and int8 dots (in fp32 / int arithmetic), so every path is tested
 on the CPU, and the compiled fp8 / int8 tensor-core path on a GPU (tests marked `gpu`).
 Tiles: BLOCK_K = 128; (BLOCK_M, MAX_BLOCK_N, warps, stages) per M bucket (qgemm_config), BLOCK_N halved
-while the grid has fewer programs than SMs; grouped tile order for L2 reuse of x tiles. Configs are fixed
-(no autotune), so a warm-up compiles every variant before CUDA-graph capture. Both kernels wait for their
-inputs with PDL (kernels.pdl). Twin: kernels.torch_ops.quant_linear.
+while the grid has fewer programs than SMs; grouped tile order, so weight tiles are reused from L2.
+Configs are fixed (no autotune), so a warm-up compiles every variant before CUDA-graph capture. Both
+kernels wait for their inputs with PDL (kernels.pdl). Twin: kernels.torch_ops.quant_linear.
 """
 
 from __future__ import annotations
@@ -164,7 +165,7 @@ def _qgemm_kernel(
     a_ptr, sa_ptr, w_ptr, sw_ptr, rb_ptr, bias_ptr, out_ptr, M, N, K,
     stride_am, stride_sa, stride_wn, stride_sw, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     GROUP: tl.constexpr, ACT: tl.constexpr, W_BLOCKS: tl.constexpr, INT8: tl.constexpr,
-    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -176,8 +177,7 @@ def _qgemm_kernel(
     sw_ptrs = sw_ptr + w_rows  # "channel": scale[n]; "block": scale[row_block[n], kb]
     if W_BLOCKS:
         sw_ptrs = sw_ptr + tl.load(rb_ptr + w_rows).to(tl.int64) * stride_sw
-    # Weight-only "block" scales the weight tile itself; otherwise a scale that varies with the K tile
-    # multiplies that tile's partial dot.
+    # a scale varying with the K tile multiplies that tile's partial dot (weight-only "block": the tile)
     PER_TILE: tl.constexpr = (W_BLOCKS and ACT != 0) or ACT == 2
     INT_ACC: tl.constexpr = INT8 and ACT == 1
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.int32 if INT_ACC and not PER_TILE else tl.float32)
@@ -196,7 +196,8 @@ def _qgemm_kernel(
         elif INT_ACC:
             acc += tl.dot(a, w, out_dtype=tl.int32)
         else:
-            acc = tl.dot(a, w, acc, max_num_imprecise_acc=128 if ACT != 0 else None)
+            acc = tl.dot(a, w, acc, input_precision="ieee" if IEEE else None,
+                         max_num_imprecise_acc=128 if ACT != 0 else None)  # fmt: skip
     _epilogue(acc, sa_ptr + a_rows, sw_ptrs, bias_ptr + w_rows, out_ptr, rows, cols, M, N,
               ACT == 1, not W_BLOCKS, HAS_BIAS)  # fmt: skip
 
@@ -239,7 +240,7 @@ def qgemm(
     if bias is not None and (bias.shape != (n,) or not bias.is_contiguous()):
         raise ValueError(f"qgemm: bias must be a contiguous [{n}] vector, got {tuple(bias.shape)}")
     x2 = x.reshape(-1, k).contiguous()
-    m = x2.shape[0]
+    m, code = x2.shape[0], ACT_QUANT[act_quant][0]
     if out is None:
         out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     elif not out.is_contiguous() or out.shape != (*x.shape[:-1], n):
@@ -247,7 +248,6 @@ def qgemm(
     if m == 0 or n == 0:
         return out
     a, sa = (x2, x2) if act_quant is None else quantise_activations(x2, act_quant)
-    code = ACT_QUANT[act_quant][0]
     block_m, block_n, warps, stages = qgemm_config(m, n, _sm_count(x.device))
     pdl, blocks = pdl_enabled(x.device), scheme == "block"
     grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
@@ -255,7 +255,8 @@ def qgemm(
         a, sa, qweight, scale, row_block if blocks else scale, bias if bias is not None else out, out,
         m, n, k, a.stride(0), sa.stride(0) if code == 2 else 1, qweight.stride(0), scale.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, GROUP=GROUP_M, ACT=code, W_BLOCKS=blocks,
-        INT8=qweight.dtype == torch.int8, HAS_BIAS=bias is not None, EVEN_K=k % 128 == 0, USE_PDL=pdl,
+        INT8=qweight.dtype == torch.int8, HAS_BIAS=bias is not None, EVEN_K=k % 128 == 0,
+        IEEE=x.dtype == torch.float32, USE_PDL=pdl,
         num_warps=warps, num_stages=stages, launch_pdl=pdl,
     )  # fmt: skip
     return out

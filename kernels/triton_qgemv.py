@@ -8,16 +8,19 @@ quantised: at batch 1 the weight stream is the only cost, so x stays exact and o
 
 The design is kernels/triton_gemv.py's, fed half the bytes per element:
   * grid (cdiv(N, BLOCK_N),): program t owns rows [t*BLOCK_N, (t+1)*BLOCK_N) and streams them over K
-    in [BLOCK_N, BLOCK_K] tiles, 16 one-byte weights per 16-byte load, evict-first, `num_stages` deep.
-    A tile holds twice the bf16 kernel's elements for the same bytes in flight (8 KiB short-row tiles,
-    16 KiB long-row tiles, 4 to 8 warps so a thread keeps 64 fp32 products either way);
-  * weights become fp32 in registers. fp8 uses the hardware conversion (e4m3x2 -> f16x2 -> f32); int8
-    uses the float magic-number trick (int bits + 0x4B000080 read as a float is 2^23 + 128 + q, minus
-    that constant gives q exactly: an integer add and an FADD, where I2F would run at a quarter rate);
-  * "channel": products accumulate element-wise in a [BLOCK_N, BLOCK_K] fp32 tile, reduced over K once
-    at the end and multiplied by scale[n] then (one multiply per output). "block": BLOCK_K is a multiple
-    of 128, each tile's products are summed per 128-column group (in-thread adds and three shuffles)
-    and those [BLOCK_N, BLOCK_K / 128] partials times their scales are accumulated;
+    in [BLOCK_N, BLOCK_K] tiles, 16 one-byte weights per 16-byte load, marked evict-first. A tile holds
+    twice the bf16 kernel's elements for the same bytes (8 KiB short-row tiles, up to 16 KiB long-row
+    tiles over 8 warps); BLOCK_N shrinks until the grid has MIN_PROGRAMS_PER_SM programs per SM;
+  * weights become fp32 in registers: fp8 by the hardware conversion (e4m3x2 -> f16x2 -> f32); int8 by
+    the float magic-number trick (q + 128, i.e. the byte with its sign bit flipped, under the exponent
+    of 2^23 reads as 2^23 + 128 + q; subtracting that gives q exactly: integer ops and an FADD, where
+    I2F would run at a quarter of the FMA rate);
+  * each tile's products are summed in registers right away, per 16 columns ("channel": the thread's
+    own 16-byte vector, adds only) or per 128 ("block": one scale block, plus three shuffles, then times
+    scale[row_block[n], kb]), into a small fp32 accumulator. Keeping one fp32 per product instead (the
+    bf16 kernel's way) would spend 4 bytes of registers per byte in flight and cap the programs per SM;
+    this way the sm_90 build needs 61-85 registers (test_kernels_quant.test_hopper_build);
+  * "channel" multiplies the final row sum by scale[n] (one multiply per output);
   * the last row tile re-reads row N-1 instead of masking (unpredicated loads; the store masks);
   * programmatic dependent launch (kernels.pdl): the first one or two weight tiles, their scales and
     row_block are read before waiting for the kernel that writes x.
@@ -36,7 +39,7 @@ from kernels.pdl import wait_for_inputs
 from kernels.triton_gemv import LONG_K, MIN_PROGRAMS_PER_SM, _sm_count
 
 # (BLOCK_K, num_stages, MAX_BLOCK_N, num_warps): short rows take 2 KiB of up to 4 rows per tile; long
-# rows (K >= LONG_K, down_proj of an 8B model) 1 KiB of up to 16 rows, 4 tiles deep, over 8 warps.
+# rows (K >= LONG_K, down_proj of an 8B model) 1 KiB of up to 16 rows over 8 warps.
 SHORT_ROWS = (2048, 2, 4, 4)
 LONG_ROWS = (1024, 4, 16, 8)
 SCALE_BLOCK = 128  # the block scheme's square block edge
