@@ -64,6 +64,10 @@ class ModelLoadConfig:
     # picks faster kernels for the 16-256-row decode GEMMs (docs/performance.md); the
     # choice is per process (torch.backends.cuda.preferred_blas_library).
     blas_library: str = "cublaslt"
+    # None: weights as the checkpoint stores them (a quantised checkpoint is detected from config.json).
+    # "fp8": quantise a float checkpoint's decoder linears at load: per-channel float8 e4m3 weights,
+    # dynamic per-token float8 activations (docs/quantization.md).
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         _require(bool(self.model), "model", "give the path of a local checkpoint directory")
@@ -76,6 +80,7 @@ class ModelLoadConfig:
         )
         _require(self.max_model_len is None or self.max_model_len >= 1, "max_model_len", "must be >= 1")
         _require(self.blas_library in {"cublas", "cublaslt"}, "blas_library", "must be cublas or cublaslt")
+        _require(self.quantization in (None, "fp8"), "quantization", "must be None (null) or 'fp8'")
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,10 @@ The model is built directly on the target device in the target dtype with uninit
 parameter one at a time from the memory-mapped file, so peak memory is about one copy of the weights.
 Every parameter (and every shard of a merged q|k|v or gate|up parameter) must be written exactly by a
 checkpoint tensor of the right shape; anything else raises an error naming the file and the tensor.
+
+Quantised checkpoints (config.json's quantization_config, engine/quant_config.py) load unchanged: the
+model gets quantised linears (engine/models/quant_linear.py), which engine/quant_loader.py fills
+without converting their dtype; `quantization="fp8"` quantises a float checkpoint tensor by tensor.
 """
 
 from __future__ import annotations
@@ -19,10 +23,13 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 from tqdm import tqdm
 
+from engine import quant_loader
 from engine.device import resolve_device_dtype
 from engine.model_config import ModelConfig
 from engine.models.layers import MergedLinear
+from engine.models.quant_linear import QuantLinear, QuantLinearFactory, QuantMergedLinear
 from engine.models.registry import get_model_class
+from engine.quant_config import resolve_quant_config
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -36,19 +43,23 @@ def load_model(
     dtype: torch.dtype | str | None = None,
     device: str | torch.device = "cpu",
     progress: bool = True,
+    quantization: str | None = None,
 ) -> tuple[nn.Module, ModelConfig]:
     """Build the model for `<path>/config.json` and fill it from the safetensors files next to it.
 
     dtype: a torch dtype or its name ("bfloat16"); None / "auto" means bf16 on CUDA and fp32 on CPU
-    (the checkpoint's own dtype is converted on copy). device: "cpu", "cuda", "cuda:N" or "auto".
+    (the checkpoint's own dtype is converted on copy; quantised weights keep theirs). device: "cpu",
+    "cuda", "cuda:N" or "auto". quantization: None, or "fp8" to quantise a float checkpoint's decoder
+    linears at load (per-channel float8 weights, dynamic per-token float8 activations).
     """
     path = Path(path)
     device, dtype = resolve_device_dtype(device, dtype)
     cfg = ModelConfig.from_dir(path)
+    quant = resolve_quant_config(cfg.raw, quantization, cfg.tie_word_embeddings, str(path / "config.json"))
     cls = get_model_class(cfg.model_type)
     files = checkpoint_files(path)
     with torch.device(device), _default_dtype(dtype):
-        model = cls(cfg)
+        model = cls(cfg, QuantLinearFactory(quant) if quant else None)
     model.eval().requires_grad_(False)
     _load_weights(model, cls, cfg, files, progress)
     return model, cfg
@@ -96,7 +107,7 @@ def _expected_targets(model: nn.Module) -> dict[Target, nn.Parameter]:
     for mod_name, module in model.named_modules():
         for leaf, param in module.named_parameters(recurse=False):
             name = f"{mod_name}.{leaf}" if mod_name else leaf
-            if isinstance(module, MergedLinear):
+            if isinstance(module, (MergedLinear, QuantMergedLinear)):
                 targets.update({(name, i): param for i in range(len(module.output_sizes))})
             else:
                 targets[(name, None)] = param
@@ -131,12 +142,28 @@ def _load_weights(model: nn.Module, cls, cfg: ModelConfig, files: list[Path], pr
                     target = _route(cls, cfg, name)
                     if target is None:
                         continue
+                    target = _parameter_target(target, modules, f"{file}: tensor {name}")
                     if target not in targets:
                         unexpected.append(f"{name} ({file.name})")
                         continue
-                    _copy_tensor(file, name, reader, targets[target], modules, target)
-                    loaded.add(target)
-    _check_complete(targets, loaded, unexpected, cls, files)
+                    loaded.update(_copy_tensor(file, name, reader, targets[target], modules, target))
+    _check_complete(targets, loaded, unexpected, cls, files, modules)
+
+
+def _parameter_target(target: Target, modules: dict, where: str) -> Target:
+    """A checkpoint leaf on a quantised linear -> its parameter (weight -> qweight, ...). A quantisation
+    tensor (a scale) for a module kept in the model dtype is an error: never load it as if plain."""
+    name, shard = target
+    module_path, _, leaf = name.rpartition(".")
+    module = modules.get(module_path)
+    if isinstance(module, QuantLinear):
+        return f"{module_path}.{quant_loader.parameter_leaf(module, leaf, where)}", shard
+    if leaf in quant_loader.QUANT_LEAVES and module is not None:
+        raise ValueError(
+            f"{where}: the checkpoint quantises {module_path}, which minserve keeps in the model dtype "
+            "(config.json quantises no such module, or it is an embedding / lm_head: not supported)"
+        )
+    return target
 
 
 @contextlib.contextmanager
@@ -148,16 +175,28 @@ def _open_safetensors(file: Path):
         raise ValueError(f"{file}: corrupt or unreadable safetensors file ({e}); re-download it") from e
 
 
-def _copy_tensor(file: Path, name: str, reader, param: nn.Parameter, modules: dict, target: Target) -> None:
-    """Copy one checkpoint tensor into its parameter (or its rows of a merged parameter)."""
+def _copy_tensor(
+    file: Path, name: str, reader, param: nn.Parameter, modules: dict, target: Target
+) -> list[Target]:
+    """Copy one checkpoint tensor into its parameter (or its rows of a merged parameter); returns the
+    destinations it filled (online quantisation fills a weight and its scale at once)."""
     try:
         tensor = reader.get_tensor(name)
     except SafetensorError as e:
         raise ValueError(f"{file}: cannot read tensor {name} ({e}); re-download the file") from e
     param_name, shard = target
+    module_path, leaf = param_name.rsplit(".", 1)
+    module = modules[module_path]
+    if isinstance(module, QuantLinear):
+        filled = quant_loader.copy_into(module, leaf, shard, tensor, f"{file}: tensor {name}")
+        return [(f"{module_path}.{p}", shard) for p in filled]
+    if tensor.element_size() == 1 or not tensor.is_floating_point():  # int8 / fp8 where a float belongs
+        raise ValueError(
+            f"{file}: tensor {name} is {tensor.dtype}, but config.json has no quantization_config "
+            "that quantises it; the config and the weights do not match"
+        )
     dest = param.data
     if shard is not None:
-        module = modules[param_name.rsplit(".", 1)[0]]
         start, rows = module.shard_rows(shard)
         dest = dest.narrow(0, start, rows)
     if tuple(tensor.shape) != tuple(dest.shape):
@@ -166,24 +205,32 @@ def _copy_tensor(file: Path, name: str, reader, param: nn.Parameter, modules: di
             f"from config.json; the config and the weights do not match"
         )
     dest.copy_(tensor)  # converts dtype and moves to the parameter's device
+    return [target]
 
 
-def _check_complete(targets: dict, loaded: set, unexpected: list[str], cls, files: list[Path]) -> None:
+def _check_complete(
+    targets: dict, loaded: set, unexpected: list[str], cls, files: list[Path], modules: dict
+) -> None:
     where = files[0].parent
     if unexpected:
         raise ValueError(f"{where}: unexpected tensors not used by {cls.__name__}: {_few(unexpected)}")
-    missing = [_hf_name(cls, t) for t in targets if t not in loaded]
+    missing = [_hf_name(cls, t, modules) for t in targets if t not in loaded]
     if missing:
         names = ", ".join(f.name for f in files)
         raise ValueError(f"{where}: tensors missing from {names}: {_few(missing)}")
 
 
-def _hf_name(cls, target: Target) -> str:
-    """The checkpoint name a destination expects (merged shards back to their HF projection name)."""
+def _hf_name(cls, target: Target, modules: dict) -> str:
+    """The checkpoint name a destination expects (merged shards back to their HF projection name, a
+    quantised linear's parameters back to their checkpoint leaves)."""
     name, shard = target
+    module_path, leaf = name.rsplit(".", 1)
+    module = modules.get(module_path)
+    if isinstance(module, QuantLinear):
+        leaf = {"qweight": "weight", "scale": module.quant.scale_name}.get(leaf, leaf)
+        name = f"{module_path}.{leaf}"
     if shard is None:
         return name
-    module_path, leaf = name.rsplit(".", 1)
     parent, merged = module_path.rsplit(".", 1)
     hf = next(h for h, (m, s) in cls.packed_modules.items() if m == merged and s == shard)
     return f"{parent}.{hf}.{leaf}"

@@ -56,7 +56,9 @@ class ModelRunner:
         torch.manual_seed(config.load.seed)
         if self.device.type == "cuda":  # process-wide; an engine replica owns its process and its GPU
             torch.backends.cuda.preferred_blas_library(config.load.blas_library)
-        self.model, self.model_config = load_model(config.load.model, dtype=self.dtype, device=self.device)
+        self.model, self.model_config = load_model(
+            config.load.model, dtype=self.dtype, device=self.device, quantization=config.load.quantization
+        )
         max_pos = self.model_config.max_position_embeddings
         self.max_model_len = min(config.load.max_model_len or min(max_pos, 8192), max_pos)
         self.block_size = config.cache.block_size

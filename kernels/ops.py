@@ -11,6 +11,7 @@ triton, so a test process can still set TRITON_INTERPRET before the first kernel
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 
 import torch
@@ -56,6 +57,45 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
         return triton_gemv.gemv(x.contiguous(), weight, bias)
     return torch.nn.functional.linear(x, weight, bias)
+
+
+@functools.cache
+def _kernel_module_exists(name: str) -> bool:
+    """The quantised-GEMM kernels are optional modules: where one is absent, quant_linear falls back to
+    the torch twin. A module that exists but fails to import is a bug, and its error surfaces."""
+    return importlib.util.find_spec(f"kernels.{name}") is not None
+
+
+def quant_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scale: torch.Tensor,
+    row_block: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    scheme: str,
+    act_quant: str | None,
+) -> torch.Tensor:
+    """x [..., K] (model dtype) @ dequantised W^T (+ bias) -> [..., N] in x.dtype; the storage is
+    documented in engine/models/quant_linear.py, the arithmetic in torch_ops.quant_linear.
+
+    On CUDA a single row (batch-1 decode) goes to triton_qgemv, which dequantises W in registers and
+    does NOT quantise the activations whatever act_quant says: one row is a pure weight stream, so
+    skipping the activation rounding costs nothing and is more accurate. Several rows go to
+    triton_qgemm, which quantises activations as act_quant says. Elsewhere: the torch twin."""
+    rows = x.numel() // x.shape[-1]
+    kernel = "triton_qgemv" if rows == 1 else "triton_qgemm"
+    if not use_triton(x) or rows == 0 or not _kernel_module_exists(kernel):
+        return torch_ops.quant_linear(x, qweight, scale, row_block, bias, scheme, act_quant)
+    x2d = x.reshape(rows, x.shape[-1]).contiguous()
+    if rows == 1:
+        from kernels import triton_qgemv
+
+        y = triton_qgemv.qgemv(x2d, qweight, scale, row_block, bias, scheme)
+    else:
+        from kernels import triton_qgemm
+
+        y = triton_qgemm.qgemm(x2d, qweight, scale, row_block, bias, scheme, act_quant)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_offset: float = 0.0) -> torch.Tensor:

@@ -236,3 +236,73 @@ def apply_token_bitmask(
         logits.masked_fill_(~allowed, float("-inf"))
     else:
         logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+
+
+# Quantised linears (engine/models/quant_linear.py documents the storage). Activation scales are clamped
+# to at least ACT_SCALE_MIN so an all-zero row (or group) quantises to zeros instead of 0/0.
+QUANT_BLOCK = 128  # weight scale tiles are 128 x 128; fp8_group128 activations share a scale per 128 columns
+INT8_MAX = 127.0
+ACT_SCALE_MIN = 1e-12
+
+
+def dequantize_weight(
+    qweight: torch.Tensor, scale: torch.Tensor, row_block: torch.Tensor | None, scheme: str
+) -> torch.Tensor:
+    """float32 W [N, K] = qweight * its scale: scale[n] ("channel"), or scale[row_block[n], k // 128]
+    ("block")."""
+    w = qweight.float()
+    if scheme == "channel":
+        return w * scale[:, None]
+    if scheme == "block":
+        tiles = scale.index_select(0, row_block.long())  # [N, ceil(K / 128)]
+        return w * tiles.repeat_interleave(QUANT_BLOCK, dim=1)[:, : w.shape[1]]
+    raise ValueError(f"scheme {scheme!r} is not channel or block")
+
+
+def quantize_per_token(x: torch.Tensor, act_quant: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] fp32 -> (xq [T, K] fp32 holding int8 or e4m3 values, sx [T, 1]), x ~ xq * sx.
+    int8_token: sx = amax|x| / 127, xq = round-half-even(x / sx) in [-128, 127];
+    fp8_token: sx = amax|x| / 448, xq = x / sx rounded to e4m3."""
+    qmax = {"int8_token": INT8_MAX, "fp8_token": FP8_MAX}[act_quant]
+    sx = (x.abs().amax(dim=1, keepdim=True) / qmax).clamp(min=ACT_SCALE_MIN)
+    if act_quant == "int8_token":
+        return torch.round(x / sx).clamp(-128, 127), sx
+    return (x / sx).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float(), sx
+
+
+def fp8_group_round(x: torch.Tensor) -> torch.Tensor:
+    """x [T, K] fp32 as fp8_group128 activations see it: each (token, 128-column group) rounded to e4m3
+    with its own scale amax / 448, then multiplied back (the last group may be narrower)."""
+    t, k = x.shape
+    groups = -(-k // QUANT_BLOCK)
+    xg = torch.nn.functional.pad(x, (0, groups * QUANT_BLOCK - k)).view(t, groups, QUANT_BLOCK)
+    sx = (xg.abs().amax(dim=2, keepdim=True) / FP8_MAX).clamp(min=ACT_SCALE_MIN)
+    xq = (xg / sx).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float()
+    return (xq * sx).view(t, groups * QUANT_BLOCK)[:, :k]
+
+
+def quant_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scale: torch.Tensor,
+    row_block: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    scheme: str,
+    act_quant: str | None,
+) -> torch.Tensor:
+    """y = x W^T (+ bias) for a quantised W (dequantize_weight), in fp32, returned in x.dtype.
+    x [..., K] -> [..., N]. act_quant None: x as it is (weight-only); "int8_token" / "fp8_token":
+    y = (xq @ W^T) * sx with xq, sx from quantize_per_token; "fp8_group128": x rounded per
+    (token, 128 columns) by fp8_group_round."""
+    x2 = x.reshape(-1, x.shape[-1]).float()
+    w = dequantize_weight(qweight, scale, row_block, scheme)
+    if act_quant is None:
+        y = x2 @ w.T
+    elif act_quant == "fp8_group128":
+        y = fp8_group_round(x2) @ w.T
+    else:
+        xq, sx = quantize_per_token(x2, act_quant)
+        y = (xq @ w.T) * sx
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])

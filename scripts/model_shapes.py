@@ -2,8 +2,13 @@
 
 Each `ModelSpec` holds the architecture numbers of one model. The real shapes copy the published
 config.json values of Llama-3.2-1B, Llama-3.1-8B, Qwen3-0.6B and gemma-3-1b; the tiny ones are small
-stand-ins of each family for tests. `hf_config` turns a spec into the config.json transformers would
-load, and `tensor_shapes` lists every tensor under the exact name transformers saves it with.
+stand-ins of each family for tests. tiny-quant is a Llama whose q, gate and up shards and hidden size
+are not multiples of 128, so quantisation's 128x128 scale tiles end inside a fused q|k|v or gate|up;
+its larger embedding and lm_head make logits far from uniform while each layer adds only a small
+update to the residual stream, as in a trained model (a random model whose layers dominate the stream
+amplifies rounding, so no quantised format could match its dequantised twin). `hf_config` turns a
+spec into the config.json transformers would load, and `tensor_shapes` lists every tensor under the
+exact name transformers saves it with.
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ class ModelSpec:
     sliding_window_pattern: int | None = None
     rope_local_base_freq: float | None = None
     query_pre_attn_scalar: float | None = None
+    init_std: float = 0.02  # std of the random decoder linears (config.json's initializer_range)
+    embed_std: float = 0.02  # std of the random embedding and lm_head
 
     def layer_types(self) -> list[str]:
         if self.family != "gemma3":
@@ -59,6 +66,8 @@ SPECS: dict[str, ModelSpec] = {s.name: s for s in [
   ModelSpec("tiny-qwen3",   "qwen3",    64,  2,  4, 2,  32,   128,   2048,   4096, 1e6, True,  "fp32", 1e-6),
   ModelSpec("tiny-gemma3",  "gemma3",   64,  4,  4, 1,  32,   128,   2048,   4096, 1e6, True,  "fp32", 1e-6,
             query_pre_attn_scalar=32, **_TINY_GEMMA_LOCAL),
+  ModelSpec("tiny-quant",   "llama",   192,  2,  6, 2,  32,   320,   2048,   4096, 1e4, False, "fp32", 1e-5,
+            embed_std=0.3),
   ModelSpec("llama-3.2-1b", "llama",  2048, 16, 32, 8,  64,  8192, 128256, 131072, 5e5, True,  "bf16", 1e-5,
             rope_scaling={**_LLAMA3_ROPE, "factor": 32.0, "original_max_position_embeddings": 8192}),
   ModelSpec("llama-3.1-8b", "llama",  4096, 32, 32, 8, 128, 14336, 128256, 131072, 5e5, False, "bf16", 1e-5,
@@ -130,7 +139,7 @@ def hf_config(spec: ModelSpec, dtype: str, bos_id: int, eos_ids: list[int], pad_
         "pad_token_id": pad_id,
         "head_dim": spec.head_dim,
         "hidden_size": spec.hidden_size,
-        "initializer_range": 0.02,
+        "initializer_range": spec.init_std,
         "intermediate_size": spec.intermediate_size,
         "max_position_embeddings": spec.max_position_embeddings,
         "num_attention_heads": spec.num_heads,

@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 import torch
 
 from engine.model_config import ModelConfig
-from engine.models.layers import RotaryEmbedding
+from engine.models.layers import LinearFactory, RotaryEmbedding
 from engine.models.llama import LlamaForCausalLM
 
 _TEXT_PREFIXES = (
@@ -63,8 +63,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         sliding_window_pattern=6,
     )
 
-    def __init__(self, cfg: ModelConfig):
-        super().__init__(cfg)
+    def __init__(self, cfg: ModelConfig, linears: LinearFactory | None = None):
+        super().__init__(cfg, linears)
         scale = torch.tensor(cfg.hidden_size**0.5, dtype=torch.float32)
         self.model.register_buffer("embed_scale", scale, persistent=False)
 

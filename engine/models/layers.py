@@ -7,6 +7,7 @@ Norms, RoPE, activations and attention go through kernels.ops only, so Triton ke
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -44,6 +45,35 @@ class MergedLinear(Linear):
     def shard_rows(self, shard: int) -> tuple[int, int]:
         """(first row, number of rows) of one shard in the stacked weight / bias."""
         return sum(self.output_sizes[:shard]), self.output_sizes[shard]
+
+
+class LinearFactory:
+    """Builds a block's projections by their checkpoint (HF) names, e.g. model.layers.3.mlp.down_proj.
+
+    This one builds plain Linear / MergedLinear; engine.models.quant_linear.QuantLinearFactory builds
+    quantised ones for the modules a quantised checkpoint quantises, so model files never see a scheme.
+    """
+
+    def __init__(self, prefix: str = ""):
+        self.prefix = prefix
+
+    def scoped(self, prefix: str) -> LinearFactory:
+        """The same factory for the modules under `prefix` (a full HF module path)."""
+        factory = copy.copy(self)
+        factory.prefix = prefix
+        return factory
+
+    def full_name(self, name: str) -> str:
+        return f"{self.prefix}.{name}" if self.prefix else name
+
+    def linear(self, name: str, in_features: int, out_features: int, bias: bool = False) -> nn.Module:
+        return Linear(in_features, out_features, bias)
+
+    def merged(
+        self, names: list[str], in_features: int, output_sizes: list[int], bias: bool = False
+    ) -> nn.Module:
+        """One module for the HF projections `names`, stacked in order (shard i = names[i])."""
+        return MergedLinear(in_features, output_sizes, bias)
 
 
 class Embedding(nn.Module):
@@ -130,12 +160,15 @@ class Attention(nn.Module):
         qk_norm_eps: float | None = None,
         norm_offset: float = 0.0,
         bias: bool = False,
+        linears: LinearFactory | None = None,
     ):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
-        self.qkv_proj = MergedLinear(hidden_size, [self.q_size, self.kv_size, self.kv_size], bias)
-        self.o_proj = Linear(self.q_size, hidden_size, bias)
+        linears = linears or LinearFactory()
+        sizes = [self.q_size, self.kv_size, self.kv_size]
+        self.qkv_proj = linears.merged(["q_proj", "k_proj", "v_proj"], hidden_size, sizes, bias)
+        self.o_proj = linears.linear("o_proj", self.q_size, hidden_size, bias)
         self.rotary = rotary  # shared by every layer of the same kind; registered once in named_buffers
         self.scale = scale
         self.sliding_window = sliding_window
@@ -187,14 +220,23 @@ _GATED_ACTIVATIONS = {
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)): SwiGLU (silu) or GeGLU with the tanh-approximated GELU."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, activation: str, bias: bool = False):
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        activation: str,
+        bias: bool = False,
+        linears: LinearFactory | None = None,
+    ):
         super().__init__()
         if activation not in _GATED_ACTIVATIONS:
             raise ValueError(
                 f"hidden activation {activation!r} is not supported (supported: {sorted(_GATED_ACTIVATIONS)})"
             )
-        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size], bias)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias)
+        linears = linears or LinearFactory()
+        sizes = [intermediate_size, intermediate_size]
+        self.gate_up_proj = linears.merged(["gate_proj", "up_proj"], hidden_size, sizes, bias)
+        self.down_proj = linears.linear("down_proj", intermediate_size, hidden_size, bias)
         self.act_name = _GATED_ACTIVATIONS[activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ from engine.models.layers import (
     Embedding,
     GatedMLP,
     Linear,
+    LinearFactory,
     RMSNorm,
     RotaryEmbedding,
 )
@@ -57,9 +58,12 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, linears: LinearFactory | None = None):
+        """linears: builds the decoder projections (a quantised checkpoint's factory quantises them);
+        embeddings, norms and lm_head always stay in the model dtype."""
         super().__init__()
         self.cfg = cfg
+        self.linears = linears or LinearFactory()
         self.model = nn.Module()
         self.model.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.build_rotaries()
@@ -124,8 +128,15 @@ class LlamaForCausalLM(nn.Module):
             qk_norm_eps=cfg.rms_norm_eps if self.qk_norm else None,
             norm_offset=self.norm_weight_offset,
             bias=cfg.attention_bias,
+            linears=self.linears.scoped(f"model.layers.{i}.self_attn"),
         )
-        mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_activation, cfg.mlp_bias)
+        mlp = GatedMLP(
+            cfg.hidden_size,
+            cfg.intermediate_size,
+            cfg.hidden_activation,
+            cfg.mlp_bias,
+            self.linears.scoped(f"model.layers.{i}.mlp"),
+        )
         return DecoderLayer(
             attn, mlp, cfg.hidden_size, cfg.rms_norm_eps, self.norm_weight_offset, self.sandwich_norms
         )

@@ -1,0 +1,195 @@
+"""Batch-1 decode GEMV over 1-byte quantised weights: y[n] = sum_k deq(W)[n, k] x[k] (+ bias[n]).
+
+Weight contract (docs/quantization.md): qweight [N, K] float8_e4m3fn or int8, K-contiguous; fp32 scales,
+scheme "channel": scale [N] and deq(W)[n, k] = q[n, k] * scale[n]; scheme "block": scale [NB, cdiv(K, 128)]
+and deq(W)[n, k] = q[n, k] * scale[row_block[n], k // 128], row_block int32 [N] (merged q|k|v or
+gate|up shards need not start on a 128 row, so the kernel never computes n // 128). Activations are not
+quantised: at batch 1 the weight stream is the only cost, so x stays exact and only W is rounded.
+
+The design is kernels/triton_gemv.py's, fed half the bytes per element:
+  * grid (cdiv(N, BLOCK_N),): program t owns rows [t*BLOCK_N, (t+1)*BLOCK_N) and streams them over K
+    in [BLOCK_N, BLOCK_K] tiles, 16 one-byte weights per 16-byte load, marked evict-first. A tile holds
+    twice the bf16 kernel's elements for the same bytes (8 KiB short-row tiles, up to 16 KiB long-row
+    tiles over 8 warps); BLOCK_N shrinks until the grid has MIN_PROGRAMS_PER_SM programs per SM;
+  * weights become fp32 in registers: fp8 by the hardware conversion (e4m3x2 -> f16x2 -> f32); int8 by
+    the float magic-number trick (q + 128, i.e. the byte with its sign bit flipped, under the exponent
+    of 2^23 reads as 2^23 + 128 + q; subtracting that gives q exactly: integer ops and an FADD, where
+    I2F would run at a quarter of the FMA rate);
+  * each tile's products are summed in registers right away, per 16 columns ("channel": the thread's
+    own 16-byte vector, adds only) or per 128 ("block": one scale block, plus three shuffles, then times
+    scale[row_block[n], kb]), into a small fp32 accumulator. Keeping one fp32 per product instead (the
+    bf16 kernel's way) would spend 4 bytes of registers per byte in flight and cap the programs per SM;
+    this way the sm_90 build needs 61-85 registers (test_kernels_quant.test_hopper_build);
+  * "channel" multiplies the final row sum by scale[n] (one multiply per output);
+  * the last row tile re-reads row N-1 instead of masking (unpredicated loads; the store masks);
+  * programmatic dependent launch (kernels.pdl): the first one or two weight tiles, their scales and
+    row_block are read before waiting for the kernel that writes x.
+Configs are fixed per shape (qgemv_config, no autotune), so a warm-up call compiles every variant before
+CUDA-graph capture. Twin: kernels.torch_ops.quant_linear with act_quant None.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.pdl import enabled as pdl_enabled
+from kernels.pdl import wait_for_inputs
+from kernels.triton_gemv import LONG_K, MIN_PROGRAMS_PER_SM, _sm_count
+
+# (BLOCK_K, num_stages, MAX_BLOCK_N, num_warps): short rows take 2 KiB of up to 4 rows per tile; long
+# rows (K >= LONG_K, down_proj of an 8B model) 1 KiB of up to 16 rows over 8 warps.
+SHORT_ROWS = (2048, 2, 4, 4)
+LONG_ROWS = (1024, 4, 16, 8)
+SCALE_BLOCK = 128  # the block scheme's square block edge
+MAX_PREFETCH_BYTES = 8192  # a W tile this small is fetched two deep before the PDL wait
+WEIGHT_DTYPES = (torch.float8_e4m3fn, torch.int8)
+
+
+@triton.jit
+def _w_tile(w_ptrs, cols, k0, K, EVEN_K: tl.constexpr):
+    if EVEN_K:
+        return tl.load(w_ptrs + k0, eviction_policy="evict_first")
+    return tl.load(w_ptrs + k0, mask=(k0 + cols < K)[None, :], other=0.0, eviction_policy="evict_first")
+
+
+@triton.jit
+def _s_tile(s_ptrs, k0, KB, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_SCALES: tl.constexpr,
+            EVEN_K: tl.constexpr):  # fmt: skip
+    """[BLOCK_N, BLOCK_K // 128] block scales of the tile at column k0 (0 past the last K block);
+    ones for "channel" (that scale is applied to the row sums)."""
+    if not BLOCK_SCALES:
+        s = tl.full((BLOCK_N, BLOCK_K // 16), 1.0, tl.float32)
+    else:
+        kb = k0 // 128 + tl.arange(0, BLOCK_K // 128)
+        if EVEN_K:
+            s = tl.load(s_ptrs + kb[None, :])
+        else:
+            s = tl.load(s_ptrs + kb[None, :], mask=(kb < KB)[None, :], other=0.0)
+    return s
+
+
+@triton.jit
+def dequant(w, INT8: tl.constexpr):
+    """1-byte weights as exact fp32 values (shared with kernels.triton_qgemm)."""
+    if INT8:  # q + 128 (the sign bit flipped) under the exponent of 2^23, minus 2^23 + 128
+        u = (w.to(tl.uint8, bitcast=True) ^ 0x80).to(tl.uint32)
+        return (u | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
+    return w.to(tl.float32)
+
+
+@triton.jit
+def _tile_sums(w, s, x_ptr, k0, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               BLOCK_SCALES: tl.constexpr, INT8: tl.constexpr, EVEN_K: tl.constexpr):  # fmt: skip
+    """The tile's products summed over groups of GROUP columns (16: one thread's 16-byte vector, adds
+    within the thread; 128: a scale block, three shuffles more), times the groups' scales."""
+    GROUP: tl.constexpr = 128 if BLOCK_SCALES else 16
+    cols = k0 + tl.arange(0, BLOCK_K)
+    if EVEN_K:
+        x = tl.load(x_ptr + cols).to(tl.float32)
+    else:
+        x = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+    p = dequant(w, INT8) * x[None, :]
+    return tl.sum(tl.reshape(p, (BLOCK_N, BLOCK_K // GROUP, GROUP)), axis=2) * s
+
+
+@triton.jit
+def _qgemv_kernel(
+    x_ptr, w_ptr, s_ptr, rb_ptr, bias_ptr, out_ptr, N, K, KB, stride_wn, stride_s,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_SCALES: tl.constexpr, INT8: tl.constexpr,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, BLOCK_K)
+    w_rows = tl.minimum(rows, N - 1).to(tl.int64)
+    w_ptrs = w_ptr + w_rows[:, None] * stride_wn + cols[None, :]
+    s_ptrs = s_ptr
+    if BLOCK_SCALES:  # scale rows come from row_block, never from n // 128
+        s_ptrs = s_ptr + tl.load(rb_ptr + w_rows).to(tl.int64)[:, None] * stride_s
+    # Weights, scales and row_block are never written during a step: the first tiles load before the
+    # PDL wait, while the kernel that writes x drains (PREFETCH = 2 only when K holds two whole tiles).
+    w = _w_tile(w_ptrs, cols, 0, K, EVEN_K)
+    s = _s_tile(s_ptrs, 0, KB, BLOCK_N, BLOCK_K, BLOCK_SCALES, EVEN_K)
+    if PREFETCH == 2:
+        w1 = _w_tile(w_ptrs, cols, BLOCK_K, K, EVEN_K)
+        s1 = _s_tile(s_ptrs, BLOCK_K, KB, BLOCK_N, BLOCK_K, BLOCK_SCALES, EVEN_K)
+    wait_for_inputs(USE_PDL)
+    acc = _tile_sums(w, s, x_ptr, 0, K, BLOCK_N, BLOCK_K, BLOCK_SCALES, INT8, EVEN_K)
+    if PREFETCH == 2:
+        acc += _tile_sums(w1, s1, x_ptr, BLOCK_K, K, BLOCK_N, BLOCK_K, BLOCK_SCALES, INT8, EVEN_K)
+    for k0 in range(PREFETCH * BLOCK_K, K, BLOCK_K):
+        w = _w_tile(w_ptrs, cols, k0, K, EVEN_K)
+        s = _s_tile(s_ptrs, k0, KB, BLOCK_N, BLOCK_K, BLOCK_SCALES, EVEN_K)
+        acc += _tile_sums(w, s, x_ptr, k0, K, BLOCK_N, BLOCK_K, BLOCK_SCALES, INT8, EVEN_K)
+    y = tl.sum(acc, axis=1)
+    if not BLOCK_SCALES:
+        y *= tl.load(s_ptr + w_rows)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + w_rows).to(tl.float32)
+    tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=rows < N)
+
+
+def qgemv_config(n: int, k: int, sm_count: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_stages, num_warps) from the shape: BLOCK_K shrinks to K's power of two
+    (at least 128, so a tile holds whole scale blocks); BLOCK_N is the largest power of two <= the
+    config's MAX_BLOCK_N that still gives MIN_PROGRAMS_PER_SM programs per SM (or 1)."""
+    block_k, stages, block_n, warps = LONG_ROWS if k >= LONG_K else SHORT_ROWS
+    block_k = min(block_k, max(SCALE_BLOCK, triton.next_power_of_2(k)))
+    while block_n > 1 and triton.cdiv(n, block_n) < MIN_PROGRAMS_PER_SM * sm_count:
+        block_n //= 2
+    return block_n, block_k, stages, warps
+
+
+def check_weights(qweight: torch.Tensor, scale: torch.Tensor, row_block, scheme: str) -> None:
+    """Raise ValueError unless (qweight, scale, row_block) follow the contract of `scheme`."""
+    if qweight.dim() != 2 or qweight.dtype not in WEIGHT_DTYPES or not qweight.is_contiguous():
+        raise ValueError(f"qweight must be a contiguous [N, K] fp8 e4m3 / int8 tensor, got {qweight.dtype}")
+    n, k = qweight.shape
+    if scale.dtype != torch.float32 or not scale.is_contiguous():
+        raise ValueError("scale must be a contiguous float32 tensor")
+    if scheme == "channel":
+        if scale.shape != (n,) or row_block is not None:
+            raise ValueError(f"scheme 'channel' takes scale [{n}] and no row_block, got {tuple(scale.shape)}")
+    elif scheme == "block":
+        kb = triton.cdiv(k, SCALE_BLOCK)
+        if scale.dim() != 2 or scale.shape[1] != kb:
+            raise ValueError(f"scheme 'block' takes scale [NB, {kb}], got {tuple(scale.shape)}")
+        if row_block is None or row_block.shape != (n,) or row_block.dtype != torch.int32:
+            raise ValueError(f"scheme 'block' takes an int32 row_block [{n}]")
+    else:
+        raise ValueError(f"unknown scheme {scheme!r} (channel, block)")
+
+
+def qgemv(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scale: torch.Tensor,
+    row_block: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    scheme: str,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [1, K] (or [K]) @ deq(qweight) [N, K]^T (+ bias) -> [1, N] (or [N]) in x's dtype; fp32 sums."""
+    check_weights(qweight, scale, row_block, scheme)
+    n, k = qweight.shape
+    if x.shape[-1] != k or x.numel() != k or not x.is_contiguous():
+        raise ValueError(f"qgemv: x {tuple(x.shape)} must be one contiguous row of {k}")
+    if bias is not None and (bias.shape != (n,) or not bias.is_contiguous()):
+        raise ValueError(f"qgemv: bias must be a contiguous [{n}] vector, got {tuple(bias.shape)}")
+    if out is None:
+        out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
+    if n == 0:
+        return out
+    block_n, block_k, stages, warps = qgemv_config(n, k, _sm_count(x.device))
+    pdl = pdl_enabled(x.device)
+    prefetch = 2 if k >= 2 * block_k and block_n * block_k <= MAX_PREFETCH_BYTES else 1
+    blocks = scheme == "block"
+    _qgemv_kernel[(triton.cdiv(n, block_n),)](
+        x, qweight, scale, row_block if blocks else scale, bias if bias is not None else out, out,
+        n, k, triton.cdiv(k, SCALE_BLOCK), qweight.stride(0), scale.stride(0),
+        BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_SCALES=blocks, INT8=qweight.dtype == torch.int8,
+        HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, PREFETCH=prefetch, USE_PDL=pdl,
+        num_warps=warps, num_stages=stages, launch_pdl=pdl,
+    )  # fmt: skip
+    return out
