@@ -23,6 +23,9 @@ code; the interpreter also runs the fp8 and int8 dots (in fp32 / int arithmetic)
 on the CPU, and the compiled fp8 / int8 tensor-core path on a GPU (tests marked `gpu`).
 Tiles: BLOCK_K = 128; (BLOCK_M, MAX_BLOCK_N, warps, stages) per M bucket (qgemm_config), BLOCK_N halved
 while the grid has fewer programs than SMs; grouped tile order, so weight tiles are reused from L2.
+Split K: a decode GEMM (few row tiles) over a narrow N has too few programs to keep enough weight bytes
+in flight, so K is split over SPLIT programs per tile, each writing its scaled fp32 partial sums to a
+workspace that _split_sum_kernel adds up in a fixed order (deterministic, unlike atomics), plus bias.
 Configs are fixed (no autotune), so a warm-up compiles every variant before CUDA-graph capture. Both
 kernels wait for their inputs with PDL (kernels.pdl). Twin: kernels.torch_ops.quant_linear.
 """
@@ -51,6 +54,11 @@ CONFIGS = ((16, 16, 64, 4, 5), (64, 64, 128, 4, 4), (1 << 62, 128, 128, 8, 3))
 MIN_BLOCK_N = 32
 GROUP_M = 8
 QUANT_BLOCK = 1024
+SPLIT_PROGRAMS_PER_SM = 2  # split K until the grid has this many programs per SM, while each split keeps
+MIN_SPLIT_K_TILES = 4  # at least this many 128-wide K tiles and the fp32 partials (split * M * N * 4
+MAX_PARTIAL_SHARE = 8  # bytes) stay under 1/MAX_PARTIAL_SHARE of the weight bytes (N * K)
+MAX_SPLIT = 16
+SUM_BLOCK = 1024
 
 
 @triton.jit
@@ -166,8 +174,11 @@ def _qgemm_kernel(
     stride_am, stride_sa, stride_wn, stride_sw, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     GROUP: tl.constexpr, ACT: tl.constexpr, W_BLOCKS: tl.constexpr, INT8: tl.constexpr,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr,
+    K_PER_SPLIT: tl.constexpr,
 ):  # fmt: skip
     pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP)
+    k_lo = tl.program_id(1) * K_PER_SPLIT  # this program's K range (the whole of K unless split)
+    out_ptr += tl.program_id(1).to(tl.int64) * M * N  # a split's own slice of the workspace
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     a_rows, w_rows = tl.minimum(rows, M - 1).to(tl.int64), tl.minimum(cols, N - 1).to(tl.int64)
@@ -182,7 +193,7 @@ def _qgemm_kernel(
     INT_ACC: tl.constexpr = INT8 and ACT == 1
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.int32 if INT_ACC and not PER_TILE else tl.float32)
     wait_for_inputs(USE_PDL)
-    for k0 in range(0, K, 128):
+    for k0 in range(k_lo, tl.minimum(K, k_lo + K_PER_SPLIT), 128):
         a, w = _k_tile(a_ptrs, w_ptrs, ks, k0, K, EVEN_K)
         if ACT == 0:
             w = _weight_only(w, a, sw_ptrs, k0, INT8, W_BLOCKS)
@@ -202,13 +213,41 @@ def _qgemm_kernel(
               ACT == 1, not W_BLOCKS, HAS_BIAS)  # fmt: skip
 
 
-def qgemm_config(m: int, n: int, sm_count: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for M rows: the bucket's tiles, BLOCK_N halved (down
-    to MIN_BLOCK_N) while the grid has fewer programs than SMs."""
+@triton.jit
+def _split_sum_kernel(ws_ptr, bias_ptr, out_ptr, MN, N, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      BLOCK: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
+    """out = sum of the SPLIT partial results (in split order) + bias, in out's dtype."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    wait_for_inputs(USE_PDL)
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for s in tl.static_range(SPLIT):
+        acc += tl.load(ws_ptr + s * MN + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def qgemm_config(m: int, n: int, k: int, sm_count: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages, split) for M rows: the bucket's tiles, BLOCK_N halved
+    (down to MIN_BLOCK_N) while the grid has fewer programs than SMs, then K split (in powers of two)
+    while the grid has fewer than SPLIT_PROGRAMS_PER_SM programs per SM, each split keeps at least
+    MIN_SPLIT_K_TILES tiles of K and the partial sums stay small against the weights (measured on an
+    H200, benchmarks/reports/gpu/quant_sweep_8b_h200.md: at M = 64, splitting down_proj in 4 took it
+    from 49 to 36 us; splitting gate_up_proj in 2 took it from 38 to 49 us, its partials an eighth of
+    its weight bytes)."""
     _, block_m, block_n, warps, stages = next(c for c in CONFIGS if m <= c[0])
     while block_n > MIN_BLOCK_N and triton.cdiv(m, block_m) * triton.cdiv(n, block_n) < sm_count:
         block_n //= 2
-    return block_m, block_n, warps, stages
+    tiles, k_tiles, split = triton.cdiv(m, block_m) * triton.cdiv(n, block_n), triton.cdiv(k, 128), 1
+    while (
+        split < MAX_SPLIT
+        and tiles * split < SPLIT_PROGRAMS_PER_SM * sm_count
+        and k_tiles >= 2 * split * MIN_SPLIT_K_TILES
+        and 2 * split * m * 4 * MAX_PARTIAL_SHARE < k
+    ):
+        split *= 2
+    return block_m, block_n, warps, stages, split
 
 
 def _check_act(x: torch.Tensor, qweight: torch.Tensor, act_quant: str | None) -> None:
@@ -248,15 +287,24 @@ def qgemm(
     if m == 0 or n == 0:
         return out
     a, sa = (x2, x2) if act_quant is None else quantise_activations(x2, act_quant)
-    block_m, block_n, warps, stages = qgemm_config(m, n, _sm_count(x.device))
+    block_m, block_n, warps, stages, split = qgemm_config(m, n, k, _sm_count(x.device))
     pdl, blocks = pdl_enabled(x.device), scheme == "block"
-    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
+    k_per_split = triton.cdiv(triton.cdiv(k, 128), split) * 128
+    split = triton.cdiv(k, k_per_split)  # no split left empty
+    dest = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    has_bias = bias is not None and split == 1  # a split GEMM adds bias once, in the sum
+    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n), split)
     _qgemm_kernel[grid](
-        a, sa, qweight, scale, row_block if blocks else scale, bias if bias is not None else out, out,
+        a, sa, qweight, scale, row_block if blocks else scale, bias if has_bias else dest, dest,
         m, n, k, a.stride(0), sa.stride(0) if code == 2 else 1, qweight.stride(0), scale.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, GROUP=GROUP_M, ACT=code, W_BLOCKS=blocks,
-        INT8=qweight.dtype == torch.int8, HAS_BIAS=bias is not None, EVEN_K=k % 128 == 0,
-        IEEE=x.dtype == torch.float32, USE_PDL=pdl,
+        INT8=qweight.dtype == torch.int8, HAS_BIAS=has_bias, EVEN_K=k % 128 == 0,
+        IEEE=x.dtype == torch.float32, USE_PDL=pdl, K_PER_SPLIT=k_per_split,
         num_warps=warps, num_stages=stages, launch_pdl=pdl,
     )  # fmt: skip
+    if split > 1:
+        _split_sum_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](
+            dest, bias if bias is not None else dest, out, m * n, n, SPLIT=split, HAS_BIAS=bias is not None,
+            BLOCK=SUM_BLOCK, USE_PDL=pdl, num_warps=4, launch_pdl=pdl,
+        )  # fmt: skip
     return out

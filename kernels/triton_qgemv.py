@@ -9,8 +9,8 @@ quantised: at batch 1 the weight stream is the only cost, so x stays exact and o
 The design is kernels/triton_gemv.py's, fed half the bytes per element:
   * grid (cdiv(N, BLOCK_N),): program t owns rows [t*BLOCK_N, (t+1)*BLOCK_N) and streams them over K
     in [BLOCK_N, BLOCK_K] tiles, 16 one-byte weights per 16-byte load, marked evict-first. A tile holds
-    twice the bf16 kernel's elements for the same bytes (8 KiB short-row tiles, up to 16 KiB long-row
-    tiles over 8 warps); BLOCK_N shrinks until the grid has MIN_PROGRAMS_PER_SM programs per SM;
+    twice the bf16 kernel's elements for the same bytes (up to 16 KiB tiles); BLOCK_N shrinks until
+    the grid has MIN_PROGRAMS_PER_SM programs per SM;
   * weights become fp32 in registers: fp8 by the hardware conversion (e4m3x2 -> f16x2 -> f32); int8 by
     the float magic-number trick (q + 128, i.e. the byte with its sign bit flipped, under the exponent
     of 2^23 reads as 2^23 + 128 + q; subtracting that gives q exactly: integer ops and an FADD, where
@@ -38,10 +38,12 @@ from kernels.pdl import enabled as pdl_enabled
 from kernels.pdl import wait_for_inputs
 from kernels.triton_gemv import LONG_K, MIN_PROGRAMS_PER_SM, _sm_count
 
-# (BLOCK_K, num_stages, MAX_BLOCK_N, num_warps): short rows take 2 KiB of up to 4 rows per tile; long
-# rows (K >= LONG_K, down_proj of an 8B model) 1 KiB of up to 16 rows over 8 warps.
-SHORT_ROWS = (2048, 2, 4, 4)
-LONG_ROWS = (1024, 4, 16, 8)
+# (BLOCK_K, num_stages, MAX_BLOCK_N, num_warps): 2 KiB of up to 8 rows per tile; long rows (K >= LONG_K,
+# down_proj of an 8B model) over 8 warps, 3 tiles deep. Chosen by benchmarks/quant_sweep.py on an H200
+# (benchmarks/reports/gpu/quant_sweep_8b_h200.md): 4 rows a tile left o_proj at 51% of the HBM peak
+# (now 61%), 1 KiB x 16 rows left down_proj at 69% (now 79%).
+SHORT_ROWS = (2048, 2, 8, 4)
+LONG_ROWS = (2048, 3, 8, 8)
 SCALE_BLOCK = 128  # the block scheme's square block edge
 MAX_PREFETCH_BYTES = 8192  # a W tile this small is fetched two deep before the PDL wait
 WEIGHT_DTYPES = (torch.float8_e4m3fn, torch.int8)

@@ -139,6 +139,25 @@ def test_qgemm_interpreted(wdtype, act, scheme: str, m: int, with_bias: bool, mo
 
 
 @interp
+@pytest.mark.parametrize("wdtype,act", PAIRS, ids=lambda p: str(p).replace("torch.", ""))
+@pytest.mark.parametrize("scheme", ["channel", "block"])
+def test_qgemm_split_k_interpreted(wdtype, act, scheme: str, monkeypatch) -> None:
+    """K split over 4 programs per tile (the last split short and masked), partials summed with bias."""
+    poisoned_empty(monkeypatch)  # the workspace starts as NaN: every split must write its slice
+    monkeypatch.setattr(tq, "CONFIGS", ((1 << 62, 16, 64, 4, 2),))
+    monkeypatch.setattr(tq, "MIN_SPLIT_K_TILES", 2)
+    monkeypatch.setattr(tq, "SPLIT_PROGRAMS_PER_SM", 64)
+    monkeypatch.setattr(tq, "MAX_PARTIAL_SHARE", 1)
+    k = 7 * 128 + 44
+    assert tq.qgemm_config(5, sum(MERGED), k, 2)[4] == 4
+    q, scale, row_block = make_weights(MERGED, k, wdtype, scheme, seed=11)
+    x = torch.randn(5, k, generator=_gen(12))
+    bias = torch.randn(q.shape[0], generator=_gen(13))
+    out = tq.qgemm(x, q, scale, row_block, bias, scheme, act)
+    check(out, x, q, scale, row_block, bias, act, ATOL_INTERP)
+
+
+@interp
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_qgemm_half_inputs_and_leading_dims(dtype) -> None:
     """fp16 activations (the weight-only dot runs in fp16), [B, T, K] input, default tiles."""
@@ -189,8 +208,13 @@ def test_configs_from_shapes() -> None:
         block_n, block_k, _, _ = tv.qgemv_config(n, k, 132)
         assert block_k % 128 == 0 and (block_n == 1 or -(-n // block_n) >= tv.MIN_PROGRAMS_PER_SM * 132)
     assert tv.qgemv_config(4096, 14336, 132)[1] == tv.LONG_ROWS[0]
-    assert tq.qgemm_config(64, 4096, 132) == (64, 32, 4, 4)
-    assert tq.qgemm_config(4096, 28672, 132)[:2] == (128, 128)
+    assert tq.qgemm_config(64, 4096, 14336, 132) == (64, 32, 4, 4, 4)  # down_proj: 128 tiles, K in four
+    assert tq.qgemm_config(64, 28672, 4096, 132)[4] == 1  # 224 tiles: partials would be 1/8 of W
+    assert tq.qgemm_config(4096, 28672, 4096, 132)[:2] + (tq.qgemm_config(4096, 28672, 4096, 132)[4],) == (
+        128,
+        128,
+        1,
+    )  # prefill: enough tiles, no split
 
 
 def test_rejects_bad_inputs() -> None:
