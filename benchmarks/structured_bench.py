@@ -112,23 +112,28 @@ def decode_run(engine, prompts: list[list[int]], sps: list, gen: int) -> float:
 
 
 def decode_table(llm, batches: list[int], constraints: list[str], size: dict) -> list[dict]:
+    """Per batch size, every config (none, then half / all per constraint) warmed up once, then `reps`
+    rounds that run each config once in turn: a config's tok/s is its median, and its ratio to none is
+    the median of the rounds' ratios, so drift of the host between rounds cancels out."""
     import random
 
     rng, vocab, rows = random.Random(0), llm.engine.runner.model_config.vocab_size, []
     configs = [("none", None)] + [(mode, c) for c in constraints for mode in ("half", "all")]
     for batch in batches:
-        for mode, constraint in configs:
-            warm = min(size["gen"], 16)  # warm-up: the same shapes and constraint, fewer tokens
+        for mode, constraint in configs:  # untimed: the same shapes and constraint, fewer tokens
             prompts = random_prompts(rng, batch, size["prompt"], vocab)
-            # untimed: at a large batch the first requests may finish before the last one starts
-            trace(llm.engine, prompts, params(mode, constraint, batch, warm))
-            sps = params(mode, constraint, batch, size["gen"])
-            runs = [
-                decode_run(llm.engine, random_prompts(rng, batch, size["prompt"], vocab), sps, size["gen"])
-                for _ in range(size["reps"])
-            ]
-            row = {"batch": batch, "constrained": mode, "constraint": constraint}
-            rows.append({**row, "tok_s": statistics.median(runs), "runs": runs})
+            trace(llm.engine, prompts, params(mode, constraint, batch, min(size["gen"], 16)))
+        runs: dict = {c: [] for c in configs}
+        for _ in range(size["reps"]):
+            for mode, constraint in configs:
+                sps = params(mode, constraint, batch, size["gen"])
+                prompts = random_prompts(rng, batch, size["prompt"], vocab)
+                runs[(mode, constraint)].append(decode_run(llm.engine, prompts, sps, size["gen"]))
+        base = runs[("none", None)]
+        for (mode, constraint), each in runs.items():
+            row = {"batch": batch, "constrained": mode, "constraint": constraint, "runs": each}
+            ratio = statistics.median(r / b for r, b in zip(each, base))
+            rows.append({**row, "tok_s": statistics.median(each), "vs_none": ratio})
             print(rows[-1], flush=True)
     return rows
 
@@ -160,30 +165,37 @@ def _timed(fn) -> float:
 
 
 def ttft(llm, size: dict) -> dict:
+    """add_request to the first token at batch 1, a cached schema (json-array) against none, two ways:
+    `step()` (offline: outputs trail tokens by one step, so two steps count) and `step_records()` (the
+    engine core's loop under the server: a token leaves in the step that sampled it)."""
     import random
 
     from engine import SamplingParams
 
     engine, rng = llm.engine, random.Random(1)
     vocab = engine.runner.model_config.vocab_size
+    step_ways = {
+        "offline": lambda: any(d.token_ids for o in engine.step() for d in o.outputs),
+        "served": lambda: any(r[1] for r in engine.step_records()),
+    }
     out = {}
-    for label, so in (("unconstrained", None), ("constrained_cached", structured("json-array"))):
-        sp = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, structured=so)
-        engine.add_request(random_prompts(rng, 1, size["prompt"], vocab)[0], sp)  # warm-up (and compile)
-        while engine.has_unfinished():
-            engine.step()
-        times = []
-        for _ in range(size["reps"] * 5):
-            t0 = time.perf_counter()
-            engine.add_request(random_prompts(rng, 1, size["prompt"], vocab)[0], sp)
-            first = None
-            while engine.has_unfinished():
-                outs = engine.step()
-                if first is None and any(d.token_ids for o in outs for d in o.outputs):
-                    first = time.perf_counter() - t0
-            times.append(first * 1e3)
-        out[label] = {"ms_median": statistics.median(times), "ms_each": times}
+    for way, step in step_ways.items():
+        for label, so in (("unconstrained", None), ("constrained_cached", structured("json-array"))):
+            sp = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, structured=so)
+            times = []
+            for i in range(size["reps"] * 5 + 1):  # the first is a warm-up (and compiles)
+                t0 = time.perf_counter()
+                engine.add_request(random_prompts(rng, 1, size["prompt"], vocab)[0], sp)
+                first = None
+                while engine.has_unfinished():
+                    if step() and first is None:
+                        first = time.perf_counter() - t0
+                times += [first * 1e3] if i else []
+            key = label if way == "offline" else f"{label}_served"
+            out[key] = {"ms_median": statistics.median(times), "ms_each": times}
     out["added_ms"] = out["constrained_cached"]["ms_median"] - out["unconstrained"]["ms_median"]
+    served = out["constrained_cached_served"]["ms_median"] - out["unconstrained_served"]["ms_median"]
+    out["added_ms_served"] = served
     return out
 
 
@@ -196,14 +208,12 @@ def markdown(report: dict) -> str:
         f"hardware: {env['hardware'].get('gpu') or env['hardware']['cpu']}; versions: {env['versions']}",
         f"model: {report['model']} ({report['checkpoint']}); sizes: {report['sizes']}",
         "",
-        "| batch | constrained rows | constraint | decode tok/s | vs none |",
+        "| batch | constrained rows | constraint | decode tok/s (median) | vs none (median of rounds) |",
         "|---|---|---|---|---|",
     ]
-    base = {r["batch"]: r["tok_s"] for r in report["decode"] if r["constrained"] == "none"}
     for r in report["decode"]:
-        ratio = r["tok_s"] / base[r["batch"]]
         what = f"| {r['batch']} | {r['constrained']} | {r['constraint'] or ''} |"
-        lines.append(f"{what} {r['tok_s']:,.1f} | {ratio:.1%} |")
+        lines.append(f"{what} {r['tok_s']:,.1f} | {r['vs_none']:.1%} |")
     c = report["compile"]
     lines += [
         "",
@@ -214,7 +224,10 @@ def markdown(report: dict) -> str:
         "",
         f"TTFT at batch 1: unconstrained {report['ttft']['unconstrained']['ms_median']:.2f} ms, "
         f"cached schema {report['ttft']['constrained_cached']['ms_median']:.2f} ms "
-        f"(added {report['ttft']['added_ms']:+.2f} ms).",
+        f"(added {report['ttft']['added_ms']:+.2f} ms); through step_records (the served loop): "
+        f"{report['ttft']['unconstrained_served']['ms_median']:.2f} ms, "
+        f"{report['ttft']['constrained_cached_served']['ms_median']:.2f} ms "
+        f"(added {report['ttft']['added_ms_served']:+.2f} ms).",
         "",
     ]
     return "\n".join(lines)
@@ -229,8 +242,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ckpt-dir", type=Path, default=Path("/tmp/minserve_bench"))
     ap.add_argument("--constraints", default=",".join(CONSTRAINTS), help=f"some of {', '.join(CONSTRAINTS)}")
     ap.add_argument("--tokenizer", type=Path, default=None, help="a tokenizer dir of the model's vocab size")
+    ap.add_argument("--reps", type=int, default=None, help="rounds of every config (default: by --steps)")
     args = ap.parse_args(argv)
-    batches, size = [int(b) for b in args.batches.split(",")], SIZES[args.steps]
+    batches, size = [int(b) for b in args.batches.split(",")], dict(SIZES[args.steps])
+    if args.reps:
+        size["reps"] = args.reps
     ensure_llguidance()
     import torch
 

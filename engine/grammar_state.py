@@ -70,6 +70,10 @@ class BitmaskFiller:
         self.device = device
         self._pin = device.type == "cuda"
         self._buffers: list[tuple[torch.Tensor, torch.cuda.Event | None] | None] = [None] * self.BUFFERS
+        # one event per buffer, recorded again at each upload; the engine enqueues on the device's
+        # default stream, so it is looked up once (both cost tens of microseconds per step otherwise)
+        self._events = [torch.cuda.Event() for _ in range(self.BUFFERS)] if self._pin else None
+        self._stream = torch.cuda.current_stream(device) if self._pin else None
         self._turn = 0
         self._executor = None  # llguidance's own thread pool (fills rows in parallel)
         self._worker: ThreadPoolExecutor | None = None  # runs a fill behind the caller's back
@@ -104,24 +108,26 @@ class BitmaskFiller:
         return lambda: self._upload(host, turn)
 
     def _fill_host(self, states: list[GrammarState], host: torch.Tensor) -> torch.Tensor:
+        """llguidance writes each row's words at its pointer. Its own llguidance.torch wrappers are
+        not used: importing that module runs torch.compile's set-up (about a second), which would
+        stall the step loop on the first constrained request."""
         import llguidance
-        import llguidance.torch as llt
 
+        row_bytes = host.shape[1] * host.element_size()
         if len(states) == 1:
-            llt.fill_next_token_bitmask(states[0].matcher, host, 0)
+            states[0].matcher.unsafe_compute_mask_ptr(host.data_ptr(), row_bytes)
         else:
             if self._executor is None:
                 self._executor = llguidance.LLExecutor()
-            llt.fill_next_token_bitmask_par(
-                self._executor, [(s.matcher, i) for i, s in enumerate(states)], host
-            )
+            rows = [(s.matcher, i) for i, s in enumerate(states)]
+            self._executor.unsafe_compute_mask_ptr(rows, host.data_ptr(), row_bytes, len(states))
         return host
 
     def _upload(self, host: torch.Tensor, turn: int) -> torch.Tensor:
         if self.device.type != "cuda":
             return host.clone()  # the buffer is refilled next step while a CPU caller may keep this
         out = host.to(self.device, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
+        event = self._events[turn]
+        event.record(self._stream)
         self._buffers[turn] = (self._buffers[turn][0], event)
         return out

@@ -114,4 +114,5 @@ def test_structured_bench_smoke(tmp_path):
     assert modes == {(b, m) for b in (1, 4) for m in ("none", "half", "all")}
     assert len(data["compile"]["cold"]["ms_each"]) == 20 and data["compile"]["cached"]["ms_total"] >= 0
     assert data["ttft"]["constrained_cached"]["ms_median"] > 0
+    assert data["ttft"]["constrained_cached_served"]["ms_median"] > 0
     assert "| 4 | all |" in (out / "structured_bench.md").read_text()
