@@ -11,7 +11,6 @@ triton, so a test process can still set TRITON_INTERPRET before the first kernel
 from __future__ import annotations
 
 import functools
-import importlib.util
 import os
 
 import torch
@@ -59,13 +58,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return torch.nn.functional.linear(x, weight, bias)
 
 
-@functools.cache
-def _kernel_module_exists(name: str) -> bool:
-    """The quantised-GEMM kernels are optional modules: where one is absent, quant_linear falls back to
-    the torch twin. A module that exists but fails to import is a bug, and its error surfaces."""
-    return importlib.util.find_spec(f"kernels.{name}") is not None
-
-
 def quant_linear(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -83,8 +75,7 @@ def quant_linear(
     skipping the activation rounding costs nothing and is more accurate. Several rows go to
     triton_qgemm, which quantises activations as act_quant says. Elsewhere: the torch twin."""
     rows = x.numel() // x.shape[-1]
-    kernel = "triton_qgemv" if rows == 1 else "triton_qgemm"
-    if not use_triton(x) or rows == 0 or not _kernel_module_exists(kernel):
+    if not use_triton(x) or rows == 0:
         return torch_ops.quant_linear(x, qweight, scale, row_block, bias, scheme, act_quant)
     x2d = x.reshape(rows, x.shape[-1]).contiguous()
     if rows == 1:
