@@ -84,6 +84,13 @@ class AppArgs(BaseModel):
         "default 32, or half of autoscaling_config's target_ongoing_requests where that is less",
     )
     routing_imbalance_rel: float = Field(1.5, ge=1.0, description="see routing_imbalance_abs")
+    routing_min_gain: float = Field(
+        0.25,
+        ge=0.0,
+        le=1.0,
+        description="prefix-aware routing sends a request to the least loaded replica unless another holds "
+        "more than this share of its prompt's blocks beyond what that one holds (0: always follow the cache)",
+    )
     engine_graceful_shutdown_timeout_s: float = Field(
         120.0,
         gt=0,
@@ -174,6 +181,7 @@ def _routing(args: AppArgs) -> dict[str, Any]:
         request_router_kwargs={
             "imbalance_abs": _imbalance_abs(args),
             "imbalance_rel": args.routing_imbalance_rel,
+            "min_gain": args.routing_min_gain,
         },
     )
     return {"request_router_config": config}

@@ -4,23 +4,27 @@ A request whose leading KV blocks a replica already holds skips their prefill th
 prompt or a multi-turn chat should land where its blocks are. Serve's default power-of-two router
 ignores that. This router scores each candidate replica by how many of the request's leading blocks it
 holds, using the engine's own block hashes (engine/block_manager.chain_hash over the prompt's token
-ids after the chat template, computed by the ingress: app/prefix_keys.py). A request's first token
-waits for the prefill queued ahead of it on its replica's accelerator and then for its own uncached
-blocks, so the router picks the replica with the least of
-    work ahead (blocks routed to the replicas on its GPU, not started yet: app/routing_table.py)
-    + the request's blocks that replica does not hold,
-ties going to the one holding more, then the less loaded, then the one sent fewer blocks, then at
-random. The decision is recorded as
-  cache_hit  the replica chosen holds the most of the request's blocks;
-  balanced   no replica holds a block (the chosen one becomes the prefix's home), or the work queued
-             at the holder outweighs the prefill the cache saves;
-  fallback   the replica chosen holds blocks, but its load exceeds the least loaded one's by more
-             than `imbalance_abs` requests and by more than `imbalance_rel` times: power of two
-             choices. A guard against load the work estimate cannot see (long decodes, another
-             ingress's requests); a GPU replica runs hundreds of streams, so the margin is wide.
-Replicas that share an accelerator (fractional num_gpus, or CPU replicas of one host) share its work:
-with one GPU split in two, the holder's queue is the other replica's queue too, and only the cache
-decides (benchmarks/reports/gpu/prefix_routing*).
+ids after the chat template, computed by the ingress: app/prefix_keys.py).
+  * When the best holder holds at most `min_gain` (a quarter) of the request's blocks more than the
+    least loaded replica, the cache would save little of this prompt: the least loaded replica takes
+    it, as under Serve's default (ties: less work ahead, then more held, then sent fewer blocks).
+    Without this, a multi-turn load whose shared prompt every replica already holds crowded each
+    conversation onto one replica for a few blocks of history (benchmarks/reports/gpu/prefix_routing*).
+  * Otherwise a request's first token waits for the prefill queued ahead of it on its replica's
+    accelerator and then for its own uncached blocks, so the router picks the replica with the least
+    of work ahead (blocks routed to the replicas on its GPU, not started yet: app/routing_table.py)
+    + the request's blocks that replica does not hold, ties to the one holding more, then the less
+    loaded.
+The decision is recorded as
+  cache_hit  the replica chosen holds the most of the request's blocks (more than none);
+  balanced   any other choice: nobody holds a block (the chosen one becomes the prefix's home), the
+             gain is small, or the work queued at the holder outweighs the prefill its cache saves;
+  fallback   the holder chosen by work ahead has a load above the least loaded one's by more than
+             `imbalance_abs` requests and by more than `imbalance_rel` times: power of two choices.
+             A guard against load the work estimate cannot see (long decodes, another ingress's
+             requests); a GPU replica runs hundreds of streams, so the margin is wide.
+Replicas that share an accelerator (fractional num_gpus, or CPU replicas of one host) add up their
+work ahead: with one GPU split in two, the holder's prefill queue is the other replica's queue too.
 Calls without hashes (stats, info, tokenize) go by power of two choices. An `abort(request_ids)` goes
 to the replica its first id was routed to: the ingress groups its aborts by `routing_table.replica_of`
 (the router runs inside the ingress's process, in its handle; app/routing_table.py says why the
@@ -104,10 +108,11 @@ class PrefixAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         self,
         imbalance_abs: int = 32,
         imbalance_rel: float = 1.5,
+        min_gain: float = 0.25,
         recent_s: float = 5.0,
         max_recent: int = 65536,
     ) -> None:
-        self.imbalance_abs, self.imbalance_rel = imbalance_abs, imbalance_rel
+        self.imbalance_abs, self.imbalance_rel, self.min_gain = imbalance_abs, imbalance_rel, min_gain
         self.recent_s, self.max_recent = recent_s, max_recent
         self.views: dict[ReplicaID, ReplicaView] = {}
         self._metric = MetricCounter(
@@ -145,19 +150,22 @@ class PrefixAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         held = [v.held(hashes, now, self.recent_s) for v in views]
         loads = [self._load(r) for r in candidates]
         ahead = self._work_ahead(candidates, views)
-        key = [
-            (ahead[i] + len(hashes) - held[i], -held[i], loads[i], len(views[i].recent), random.random())
-            for i in range(len(candidates))
-        ]
-        best = min(range(len(candidates)), key=key.__getitem__)
-        ranked = [candidates[best]] + [r for i, r in enumerate(candidates) if i != best]
+        order = range(len(candidates))
+        tie = [(len(v.recent), random.random()) for v in views]
+        least = min(order, key=lambda i: (loads[i], ahead[i], -held[i], tie[i]))
         most = max(held)
-        if most == 0 or held[best] < most:
-            return "balanced", ranked
-        least = min(loads)
-        if loads[best] - least > self.imbalance_abs and loads[best] > self.imbalance_rel * least:
-            return "fallback", []
-        return "cache_hit", ranked
+        if most - held[least] <= self.min_gain * len(hashes):
+            best = least  # the cache would save little of this prompt: balance the load
+        else:
+            best = min(order, key=lambda i: (ahead[i] + len(hashes) - held[i], -held[i], loads[i], tie[i]))
+            if (
+                held[best] == most
+                and loads[best] - loads[least] > self.imbalance_abs
+                and loads[best] > self.imbalance_rel * loads[least]
+            ):
+                return "fallback", []
+        ranked = [candidates[best]] + [r for i, r in enumerate(candidates) if i != best]
+        return ("cache_hit" if most > 0 and held[best] == most else "balanced"), ranked
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None

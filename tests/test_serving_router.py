@@ -234,6 +234,21 @@ def test_an_engine_stream_is_pending_until_its_first_output_or_its_end():
     asyncio.run(run())
 
 
+def test_a_small_gain_goes_to_the_least_loaded_replica():
+    """Both replicas hold the shared prompt; only r1 holds this user's history, 2 of 10 blocks: r2, less
+    loaded, takes it. With half the prompt held nowhere else, the cache decides again."""
+    rng = random.Random(9)
+    sys_a = [rng.randrange(8, 30000) for _ in range(8 * BS)]
+    history = sys_a + [rng.randrange(8, 30000) for _ in range(2 * BS)]
+    hashes = block_hashes(history + [7] * 10, BS, 256)
+    router, (r1, r2) = _router({"r1": 6, "r2": 2}, {"r1": [history], "r2": [sys_a]})
+    assert router.rank([r1, r2], hashes) == ("balanced", [r2, r1])
+    router, (r1, r2) = _router({"r1": 6, "r2": 2}, {"r1": [history], "r2": [sys_a]}, min_gain=0.0)
+    assert router.rank([r1, r2], hashes) == ("cache_hit", [r1, r2])
+    router, (r1, r2) = _router({"r1": 6, "r2": 2}, {"r1": [history], "r2": [sys_a[: 4 * BS]]})
+    assert router.rank([r1, r2], hashes) == ("cache_hit", [r1, r2])  # 6 of 10 blocks more
+
+
 def test_new_prefixes_spread_evenly_over_equally_loaded_replicas():
     """With equal loads (as when Serve has no fresh queue lengths), new prefixes must not pile up on
     one replica: the one this router has sent the fewest blocks to takes the next."""
@@ -278,7 +293,11 @@ def test_router_is_the_default_with_several_replicas_and_takes_its_margins_from_
     ]
     for args, margin in margins:
         config = _routing(args)["request_router_config"]
-        assert config.request_router_kwargs == {"imbalance_abs": margin, "imbalance_rel": 1.5}
+        assert config.request_router_kwargs == {
+            "imbalance_abs": margin,
+            "imbalance_rel": 1.5,
+            "min_gain": 0.25,
+        }
     router = object.__new__(PrefixAwareRouter)
     router.initialize_state(
         **_routing(AppArgs(num_replicas=2, routing_imbalance_abs=8))[
