@@ -8,7 +8,7 @@ F.linear (cuBLAS), the bf16 GEMV at M = 1 (kernels.triton_gemv), kernels.triton_
 kernels.triton_qgemm at M > 1 for fp8 per-channel, fp8 128x128-block and int8 per-channel weights (every
 act_quant that pairs with them), and torch._scaled_mm (fp8, row-wise scales; x quantised beforehand, M
 padded to 16) as the cuBLAS fp8 reference. Weights come from one random fp32 matrix (std K^-1/2),
-quantised here by amax; x is random bf16.
+quantised as scripts/quant_formats.py writes checkpoints; x is random bf16.
 
 Timing: each variant's calls go into one CUDA graph that cycles through enough weight copies to exceed
 4x the L2 cache (so every call streams its weights from HBM); the graph is replayed --reps times between
@@ -43,31 +43,31 @@ L2_MULTIPLE = 4
 MAX_COPIES = 64
 
 
-def quantise_weight(w, fmt: str) -> dict:
-    """fp32 [N, K] -> {"qweight", "scale", "row_block", "scheme"} by amax (channel rows or 128x128 blocks)."""
-    import torch
+HUB_FORMAT = {"fp8-channel": "fp8-channel", "fp8-block": "fp8-block", "int8-channel": "int8"}
 
-    n, k = w.shape
-    if fmt.endswith("channel"):
-        qmax = 448.0 if fmt.startswith("fp8") else 127.0
-        scale = w.abs().amax(1).clamp(min=1e-12) / qmax
-        v = w / scale[:, None]
-        q = v.to(torch.float8_e4m3fn) if qmax == 448.0 else v.round().clamp(-127, 127).to(torch.int8)
-        return {"qweight": q, "scale": scale, "row_block": None, "scheme": "channel"}
-    nb, kb = -(-n // 128), -(-k // 128)
-    padded = torch.nn.functional.pad(w, (0, kb * 128 - k, 0, nb * 128 - n))
-    scale = padded.view(nb, 128, kb, 128).abs().amax((1, 3)).clamp(min=1e-12) / 448.0
-    expanded = scale.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
-    row_block = (torch.arange(n, device=w.device) // 128).to(torch.int32)
-    q = (w / expanded).to(torch.float8_e4m3fn)
-    return {"qweight": q, "scale": scale, "row_block": row_block, "scheme": "block"}
+
+def quantise_weight(w, fmt: str) -> dict:
+    """fp32 [N, K] -> {"qweight", "scale", "row_block", "scheme"}: quantised as make_model writes the hub
+    format (scripts/quant_formats.py), stored as the model's quantised linears hold it."""
+    from engine.models.quant_linear import scale_row_blocks
+    from scripts.quant_formats import BLOCK, quantize
+
+    qweight, scale = quantize(HUB_FORMAT[fmt], w)
+    if fmt == "fp8-block":
+        row_block = scale_row_blocks([w.shape[0]], BLOCK).to(w.device)
+        return {"qweight": qweight, "scale": scale, "row_block": row_block, "scheme": "block"}
+    return {
+        "qweight": qweight,
+        "scale": scale.reshape(-1).contiguous(),
+        "row_block": None,
+        "scheme": "channel",
+    }
 
 
 def dequantised(wq: dict):
-    q, s = wq["qweight"].float(), wq["scale"]
-    if wq["scheme"] == "channel":
-        return q * s[:, None]
-    return q * s[wq["row_block"].long()].repeat_interleave(128, 1)[:, : q.shape[1]]
+    from kernels.torch_ops import dequantize_weight
+
+    return dequantize_weight(wq["qweight"], wq["scale"], wq["row_block"], wq["scheme"])
 
 
 def variants(m: int, on_gpu: bool) -> list[tuple[str, str, str | None]]:
