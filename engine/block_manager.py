@@ -194,6 +194,14 @@ class BlockManager:
             table.blocks.append(self._allocate())
         return copies
 
+    def trim(self, table: BlockTable, num_tokens: int) -> None:
+        """Give back the blocks past the first `num_tokens` positions: after speculative verification
+        they hold only rejected draft tokens (never hashed: a hashed block is full of verified tokens)."""
+        keep = -(-num_tokens // self.block_size)
+        while len(table.blocks) > keep:
+            self._release(table.blocks.pop())
+        del table.hashes[keep:]
+
     def fork(self, table: BlockTable) -> BlockTable:
         """A child sharing every block of `table` (n > 1 samples: prefill once, then replicate)."""
         for block in table.blocks:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.spec_config import SpeculativeConfig
+
 
 def _require(ok: bool, field: str, message: str) -> None:
     if not ok:
@@ -89,12 +91,19 @@ class EngineConfig:
     scheduler: SchedulerConfig = SchedulerConfig()
     cache: CacheConfig = CacheConfig()
     fault_injection: bool = False  # test-only hooks (engine/faults.py); never enable in production
+    speculative: SpeculativeConfig | None = None  # speculative decoding (engine/speculator.py); None: off
 
     @staticmethod
     def from_kwargs(model: str, **kwargs) -> EngineConfig:
         """Flat keyword form used by LLM(...) and the server: LLM(path, block_size=4, max_num_seqs=8)."""
         parts: dict[type, dict] = {ModelLoadConfig: {}, SchedulerConfig: {}, CacheConfig: {}}
         top = {}
+        spec = kwargs.pop("speculative_config", None)  # vLLM's name; a dict or a SpeculativeConfig
+        if isinstance(spec, dict):
+            spec = SpeculativeConfig.from_dict(spec)
+        example = "{'method': 'ngram', 'num_speculative_tokens': 4}"
+        ok = spec is None or isinstance(spec, SpeculativeConfig)
+        _require(ok, "speculative_config", f"got {type(spec).__name__}; use a dict such as {example}")
         for key, value in kwargs.items():
             for cls, bucket in parts.items():
                 if key in cls.__dataclass_fields__:
@@ -109,5 +118,6 @@ class EngineConfig:
             load=ModelLoadConfig(model=model, **parts[ModelLoadConfig]),
             scheduler=SchedulerConfig(**parts[SchedulerConfig]),
             cache=CacheConfig(**parts[CacheConfig]),
+            speculative=spec,
             **top,
         )

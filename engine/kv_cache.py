@@ -46,9 +46,11 @@ def plan_kv_cache(
     dtype: torch.dtype,
     device: torch.device,
     activation_bytes: int = 0,
+    extra_block_bytes: int = 0,
 ) -> KVCacheSpec:
     """Size the pool: an explicit block count, else a byte budget on CPU, else a fraction of GPU memory
-    minus what the weights and the profiled activation peak already take."""
+    minus what the weights and the profiled activation peak already take. `extra_block_bytes`: what
+    each block also costs elsewhere (a draft model's KV for the same positions)."""
     spec = KVCacheSpec(0, cache.block_size, model.num_layers, model.num_kv_heads, model.head_dim, dtype)
     if cache.num_blocks is not None:
         num_blocks = cache.num_blocks
@@ -56,9 +58,9 @@ def plan_kv_cache(
         free, total = torch.cuda.mem_get_info(device)
         # our share of the card, less what we hold already, and never more than is actually free
         free_for_kv = min(total * cache.gpu_memory_utilization - torch.cuda.memory_allocated(device), free)
-        num_blocks = int((free_for_kv - activation_bytes) // spec.bytes_per_block)
+        num_blocks = int((free_for_kv - activation_bytes) // (spec.bytes_per_block + extra_block_bytes))
     else:
-        num_blocks = cache.cpu_kv_cache_bytes // spec.bytes_per_block
+        num_blocks = cache.cpu_kv_cache_bytes // (spec.bytes_per_block + extra_block_bytes)
     if num_blocks < 1:
         raise RuntimeError(
             f"no room for the KV cache ({spec.bytes_per_block} bytes per block): raise "

@@ -34,6 +34,7 @@ from engine.request_outputs import OutputBuilder
 from engine.sampler import PendingSample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
+from engine.speculator import Speculator
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger("engine")
@@ -50,6 +51,8 @@ class LLMEngine:
             self.runner.kv_spec.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
+        spec = config.speculative
+        self.speculator = Speculator(spec, self.max_model_len) if spec is not None else None
         self.faults = FaultInjector(config.fault_injection, self.tokenizer.decode)
         self._fault = self.faults.checker()  # None unless fault injection is on (tests)
         eos = set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids)
@@ -176,7 +179,7 @@ class LLMEngine:
         # The step after `out` is scheduled now and launched behind it, fed `out`'s sampled ids on the
         # device. A deferred draw of `out` has its mask fill running (begun by the previous call): it
         # is joined only after the scheduling, and after the emit when the emit comes first.
-        nxt = self.scheduler.schedule_ahead(out) if pending is not None else None
+        nxt = self.scheduler.schedule_ahead(out) if pending is not None and self._may_run_ahead() else None
         outputs = None
         if emit_first and isinstance(pending, DeferredSample):
             outputs = emit()  # the device is still on `out`'s forward: it cannot sample before the join
@@ -192,8 +195,15 @@ class LLMEngine:
         return outputs + [finish(r) for r in failed if r.request_id in self.requests]
 
     def _schedule_and_launch(self) -> tuple[SchedulerOutput, PendingSample | None]:
+        if self.speculator is not None:
+            self.speculator.prepare(self.scheduler.running)
         out = self.scheduler.schedule()
         return out, self._launch(out)
+
+    def _may_run_ahead(self) -> bool:
+        """A step scheduled ahead cannot speculate (its inputs are not on the host yet): none is while
+        some sequence would."""
+        return self.speculator is None or self.speculator.idle(self.scheduler.running)
 
     def _launch_next(
         self, nxt: SchedulerOutput | None, pending: PendingSample | None
@@ -256,28 +266,49 @@ class LLMEngine:
                 result = pending.resolve()
             except Exception as exc:
                 self._fail_chunks(out, exc)
+        if result is not None and result.spec_tokens is not None:
+            self._accept(out, result.spec_tokens)  # before update_computed: it hashes their blocks
         self.scheduler.update_computed(out)
         if result is None:
             return
         if result.prompt is not None:  # before the samples: the request's next output carries them
             self.prompt_logprobs.absorb(result.prompt)
         now = time.time()
-        samplers = [s for c in out.chunks for s in c.samples]
+        samplers = [s for c in out.chunks if not c.num_draft for s in c.samples]
         for seq, token, logprob in zip(samplers, result.token_ids, result.logprobs, strict=True):
-            request = seq.request
-            if seq.finished:
-                continue  # e.g. a stop string ended it while this step was already in flight
-            self._touched[request.request_id] = request
-            if request.metrics.first_token_time is None:
-                request.metrics.first_token_time = request.metrics.engine_token_time = now
-            request.metrics.last_token_time = now
-            try:
-                reason = self.processor.append(seq, token, logprob)
-            except Exception as exc:
-                self._fail(request, f"{type(exc).__name__}: {exc}", exc)
+            self._append(seq, token, logprob, now)
+
+    def _append(self, seq, token: int, logprob, now: float) -> bool:
+        """Append one drawn token; False when the sequence is (now) finished or failed."""
+        request = seq.request
+        if seq.finished:
+            return False  # e.g. a stop string ended it while this step was already in flight
+        self._touched[request.request_id] = request
+        if request.metrics.first_token_time is None:
+            request.metrics.first_token_time = request.metrics.engine_token_time = now
+        request.metrics.last_token_time = now
+        try:
+            reason = self.processor.append(seq, token, logprob)
+        except Exception as exc:
+            self._fail(request, f"{type(exc).__name__}: {exc}", exc)
+            return False
+        if reason:
+            self.scheduler.finish(seq, reason)
+        return not reason
+
+    def _accept(self, out: SchedulerOutput, spec_tokens: list[list[int]]) -> None:
+        """Append each speculating chunk's verified tokens (accepted proposals, then the target's own),
+        up to the first that ends its sequence, and count its acceptance."""
+        now = time.time()
+        chunks = [c for c in out.chunks if c.num_draft]
+        for chunk, tokens in zip(chunks, spec_tokens, strict=True):
+            chunk.num_accepted = len(tokens) - 1
+            if chunk.seq.finished:
                 continue
-            if reason:
-                self.scheduler.finish(seq, reason)
+            self.speculator.record(chunk.seq, chunk.num_draft, chunk.num_accepted)
+            for token in tokens:
+                if not self._append(chunk.seq, token, None, now):
+                    break
 
     def _emit(self) -> list[RequestOutput]:
         """Text and RequestOutputs for every request that got tokens in the previous step."""
@@ -336,6 +367,7 @@ class LLMEngine:
             "prefix_cache_hit_rate": bm.prefix_hits / bm.prefix_queries if bm.prefix_queries else 0.0,
             "num_preemptions": self.scheduler.num_preemptions,
             **self.stats,
+            **(self.speculator.get_stats() if self.speculator is not None else {}),
         }
 
 

@@ -16,8 +16,9 @@ import torch
 
 from engine.attention_context import AttentionMetadata, attention_context
 from engine.config import EngineConfig
-from engine.cuda_graph import DecodeGraphs
+from engine.cuda_graph import DecodeGraphs, forward_batch
 from engine.device import resolve_device_dtype
+from engine.draft_runner import DraftOutput, DraftRunner
 from engine.grammar_state import BitmaskFiller
 from engine.kv_cache import KVCacheSpec, allocate_kv_cache, kv_cache_dtype, plan_kv_cache
 from engine.loader import load_model
@@ -25,7 +26,8 @@ from engine.models.layers import Attention
 from engine.request import Sequence
 from engine.sampler import PendingSample, Sampler, SamplingRow, TokenMask, stream_key
 from engine.scheduler import SchedulerOutput
-from engine.step_inputs import StepBatch, build_batch, pack, prompt_logprob_rows, table_width, unpack
+from engine.spec_sampler import PendingSpec, SpecRows, SpecSampler
+from engine.step_inputs import StepBatch, build_batch, prompt_logprob_rows
 from engine.uploader import Uploader
 
 
@@ -62,35 +64,49 @@ class ModelRunner:
         max_pos = self.model_config.max_position_embeddings
         self.max_model_len = min(config.load.max_model_len or min(max_pos, 8192), max_pos)
         self.block_size = config.cache.block_size
+        spec = config.speculative
+        self.draft: DraftRunner | None = None
+        if spec is not None and spec.method == "draft_model":
+            vocab = self.model_config.vocab_size
+            self.draft = DraftRunner(
+                spec, self.device, self.dtype, vocab, self.max_model_len, self.block_size
+            )
         self.kv_spec: KVCacheSpec = plan_kv_cache(
             config.cache,
             self.model_config,
             kv_cache_dtype(config.cache, self.dtype),
             self.device,
             self._profile_activation_bytes(),
+            extra_block_bytes=self.draft.kv_spec(1).bytes_per_block if self.draft else 0,
         )
         self.kv_caches = allocate_kv_cache(self.kv_spec, self.device)
         attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for layer, (k_cache, v_cache) in zip(attn_layers, self.kv_caches, strict=True):
             layer.k_cache, layer.v_cache = k_cache, v_cache
         self.sampler = Sampler(self.model_config.vocab_size, self.device)
+        self.spec_sampler = SpecSampler(self.sampler, spec.synthetic_acceptance_rate) if spec else None
         self.bitmasks = BitmaskFiller(self.model_config.vocab_size, self.device)
         self._no_samples = torch.empty(0, dtype=torch.long, device=self.device)  # a step that only scores
         self.upload = Uploader(self.device)
         # unseeded sequences draw from stream (base, seq_id); the base follows load.seed (set above)
         self.unseeded_base = int(torch.randint(0, 2**62, (1,)).item())
-        self.graphs: DecodeGraphs | None = None
+        # CUDA graphs by query length: 1 (decode) and, when speculating, k + 1 (verification)
+        self.graphs_by_q: dict[int, DecodeGraphs] = {}
+        max_batch = min(config.scheduler.max_num_seqs, 512)
         if self.device.type == "cuda" and not config.load.enforce_eager:
-            self.graphs = DecodeGraphs(
-                self.model,
-                self.device,
-                min(config.scheduler.max_num_seqs, 512),
-                -(-self.max_model_len // self.block_size),
-                self.block_size,
-                self.model_config.hidden_size,
-                self.dtype,
+            width, hidden = -(-self.max_model_len // self.block_size), self.model_config.hidden_size
+            lengths = [1] + ([spec.num_speculative_tokens + 1] if spec is not None else [])
+            for q in lengths:
+                g = DecodeGraphs(
+                    self.model, self.device, max_batch, width, self.block_size, hidden, self.dtype, q
+                )
+                g.capture()
+                self.graphs_by_q[q] = g
+        self.graphs: DecodeGraphs | None = self.graphs_by_q.get(1)
+        if self.draft is not None:
+            self.draft.allocate(
+                self.kv_spec.num_blocks, max_batch, self.max_model_len, bool(self.graphs_by_q)
             )
-            self.graphs.capture()
 
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()
@@ -102,11 +118,26 @@ class ModelRunner:
         `prev`'s sampled ids; if its draw reads host state (out.draw_late), it is a DeferredSample."""
         self._copy_blocks(out.block_copies)
         batch = build_batch(out, self.block_size)
-        hidden = self._forward(batch, self._fed_back(out, prev))
+        spec_rows = [self._sampling_row(s, s.num_computed + 1) for s in batch.spec_samplers]
+        drafts = None
+        if self.draft is not None and out.prev_rows is None:
+            drafts = self.draft.propose(out, spec_rows, self.sampler)
+        draft_ids = None
+        if drafts is not None:
+            draft_ids = (
+                self.upload.values("draft_rows", batch.spec_draft_rows, torch.long),
+                drafts.tokens.reshape(-1),
+            )
+        fed_back = self._fed_back(out, prev)
+        hidden = forward_batch(
+            self.model, self.graphs_by_q, self.upload, batch, self.block_size, fed_back, draft_ids
+        )
         scores = None
         if out.prompt_logprob_chunks:  # prompt logprobs: only steps with a request that asks
             plan = prompt_logprob_rows(out, batch)
             scores = self.sampler.score_prompt(self.model.compute_logits, hidden, plan)
+        if spec_rows:
+            return self._execute_spec(batch, hidden, scores, spec_rows, drafts)
         if not batch.samplers:
             return None if scores is None else PendingSample(self._no_samples, None, [], scores)
         if batch.logit_rows != list(range(len(batch.input_ids))):  # decode steps sample every row
@@ -123,6 +154,33 @@ class ModelRunner:
                 functools.partial(self._start_draw, logits, rows, scores, batch.samplers, constrained, True)
             )
         return self._start_draw(logits, rows, scores, batch.samplers, constrained)()
+
+    def _execute_spec(
+        self, batch: StepBatch, hidden, scores, spec_rows, drafts: DraftOutput | None
+    ) -> PendingSpec:
+        """A step with proposals: one logits pass over the plain rows' draw positions and every scored
+        position of the speculating rows; the plain rows draw as in any step, the others verify."""
+        index = self.upload.values("logit_rows", batch.logit_rows + batch.spec_logit_rows, torch.long)
+        logits = self.model.compute_logits(hidden.index_select(0, index))
+        n = len(batch.logit_rows)
+        plain = None
+        if batch.samplers:
+            own = logits[:n]
+            if batch.sample_rows != list(range(n)):
+                own = own.index_select(0, self.upload.values("sample_rows", batch.sample_rows, torch.long))
+            rows = [
+                self._sampling_row(s, p) for s, p in zip(batch.samplers, batch.draw_positions, strict=True)
+            ]
+            constrained = [i for i, s in enumerate(batch.samplers) if s.grammar is not None]
+            plain = self._start_draw(own, rows, scores, batch.samplers, constrained)()
+        elif scores is not None:
+            plain = PendingSample(self._no_samples, None, [], scores)
+        host_drafts = [s.draft for s in batch.spec_samplers] if drafts is None else None
+        real = batch.spec_num_draft if drafts is not None else [len(d) for d in host_drafts]
+        spec = SpecRows(spec_rows, batch.spec_num_draft, real, host_drafts)
+        if drafts is not None:
+            spec.draft_tokens, spec.draft_probs = drafts.tokens, drafts.probs
+        return self.spec_sampler(logits[n:], spec, plain)
 
     def _start_draw(
         self, logits, rows, scores, samplers, constrained: list[int], background: bool = False
@@ -155,19 +213,6 @@ class ModelRunner:
             return prev.sampled
         return prev.sampled.index_select(0, self.upload.values("prev_rows", out.prev_rows, torch.long))
 
-    def _forward(self, batch: StepBatch, fed_back: torch.Tensor | None) -> torch.Tensor:
-        n = len(batch.seq_lens)
-        if self.graphs is not None and batch.is_decode and self.graphs.bucket(n) is not None:
-            return self.graphs.run(batch, self.upload, fed_back)
-        width = table_width(batch)
-        i64, i32 = pack(batch, n, width)
-        i64, i32 = self.upload("i64", i64), self.upload("i32", i32)
-        input_ids, positions, meta = unpack(i64, i32, batch, n, width, self.block_size)
-        if fed_back is not None:
-            input_ids.copy_(fed_back)  # a step scheduled ahead is all decodes: one id per row
-        with attention_context(meta):
-            return self.model(input_ids, positions)
-
     # ------------------------------------------------------------------ helpers
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate shared blocks (all layers) before anyone writes into the copies."""
@@ -178,6 +223,8 @@ class ModelRunner:
         for k_cache, v_cache in self.kv_caches:
             k_cache[dst] = k_cache[src]
             v_cache[dst] = v_cache[src]
+        if self.draft is not None:
+            self.draft.copy_blocks(src, dst)
 
     def _sampling_row(self, seq: Sequence, position: int) -> SamplingRow:
         """Each sample of a seeded request draws from its own stream (seed, sample index), so its

@@ -34,3 +34,34 @@ def propose(token_ids: list[int], k: int, n_max: int, n_min: int) -> list[int]:
         if start >= 0:
             return token_ids[start + n : start + n + k]
     return []
+
+
+class NgramIndex:
+    """`propose` in O(n_max) per token: for each n in [n_min, n_max], the end of the latest occurrence
+    of every n-gram, kept up to date as the sequence grows (a sequence only ever appends tokens).
+
+    `propose(token_ids, k)` returns exactly what `propose(token_ids, k, n_max, n_min)` returns: grams
+    ending at index <= len - 2 are indexed (an occurrence that starts before the suffix), the suffix's
+    gram is looked up, longest n first."""
+
+    def __init__(self, n_max: int, n_min: int):
+        self.sizes = range(n_max, n_min - 1, -1)
+        self.latest: dict[tuple[int, ...], int] = {}  # gram -> end index of its latest occurrence
+        self.upto = 0  # grams ending at indexes < upto are indexed
+
+    def _extend(self, token_ids: list[int], end: int) -> None:
+        for e in range(self.upto, end):
+            for n in self.sizes:
+                if e + 1 >= n:
+                    self.latest[tuple(token_ids[e - n + 1 : e + 1])] = e
+        self.upto = max(self.upto, end)
+
+    def propose(self, token_ids: list[int], k: int) -> list[int]:
+        length = len(token_ids)
+        self._extend(token_ids, length - 1)
+        for n in self.sizes:
+            if n <= length - 1:
+                end = self.latest.get(tuple(token_ids[length - n :]))
+                if end is not None:
+                    return token_ids[end + 1 : end + 1 + k]
+        return []

@@ -35,6 +35,13 @@ class RequestMetrics:
     engine_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+    # speculative decoding: proposals verified for this request and how many were accepted
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else None
 
 
 @dataclass

@@ -66,6 +66,12 @@ class Sequence:
     # engine.grammar_state.GrammarState of a structured-output request (None: unconstrained); its
     # matcher has consumed exactly this sequence's sampled output tokens
     grammar: Any = None
+    # speculative decoding (engine/speculator.py): draft positions the scheduler should add to this
+    # sequence's next decode chunk, the proposed tokens when the host knows them (n-gram; a draft model's
+    # stay on the device), and the speculator's per-sequence state (a SpecState, made on first use)
+    lookahead: int = 0
+    draft: list[int] = field(default_factory=list)
+    spec: Any = None
     num_prompt: int = field(init=False)  # a plain attribute: read for every token on the hot path
 
     def __post_init__(self) -> None:

@@ -58,6 +58,8 @@ class SampleResult:
     logprobs: list[tuple[float, list[tuple[int, float]]] | None]  # per row: (chosen lp, top-k) or None
     # prompt scores of the step (see PromptScores), on the host: (spans, chosen, top ids, top lps)
     prompt: tuple[list[tuple], list[float], list[list[int]], list[list[float]]] | None = None
+    # speculative decoding: the tokens each speculating row emits (engine/spec_sampler.py), else None
+    spec_tokens: list[list[int]] | None = None
 
 
 @dataclass
@@ -147,6 +149,14 @@ class Sampler:
         mask: TokenMask | None = None,
     ) -> PendingSample:
         """Sample one token per row. `logits` belongs to the sampler (a grammar mask writes into it)."""
+        sampled, raw_logprobs = self.draw(logits, rows, mask)
+        return PendingSample(sampled, raw_logprobs, rows, prompt)
+
+    def draw(
+        self, logits: torch.Tensor, rows: list[SamplingRow], mask: TokenMask | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(sampled ids, raw logprobs or None) on the device; speculative verification draws its rows
+        without proposals here too, so they get the very token a plain step would give them."""
         wants_logprobs = _wants_logprobs(rows)
         if (
             mask is None
@@ -154,7 +164,7 @@ class Sampler:
             and all(r.params.greedy and _no_processor(r.params) for r in rows)
         ):
             # The common benchmark case: one argmax, on the model's dtype (widening is exact: same ids).
-            return PendingSample(ops.argmax(logits), None, rows, prompt)
+            return ops.argmax(logits), None
         # reported logprobs are the model's own distribution, before logit_bias and penalties (vLLM's
         # raw logprobs)
         raw_logprobs = torch.log_softmax(logits.float(), dim=-1) if wants_logprobs else None
@@ -163,7 +173,7 @@ class Sampler:
         if mask is not None:  # after logit_bias and penalties, before the filters and the draw
             ops.apply_token_bitmask(logits, mask.bitmask, mask.rows)
         if all(r.params.greedy for r in rows):
-            return PendingSample(ops.argmax(logits), raw_logprobs, rows, prompt)
+            return ops.argmax(logits), raw_logprobs
         temperature = [r.params.temperature for r in rows]  # 0 for greedy rows: the plain argmax
         if any(_filters(r.params) for r in rows):
             t = self._t("temperature", [x or 1.0 for x in temperature])
@@ -171,8 +181,7 @@ class Sampler:
             temperature = [0.0 if x == 0 else 1.0 for x in temperature]  # already divided
         keys_counters = [r.key for r in rows] + [r.counter for r in rows]  # one upload for both
         keys, counters = self._t("streams", keys_counters, torch.long).view(2, len(rows))
-        sampled = ops.sample(logits, self._t("draw_temperature", temperature), keys, counters)
-        return PendingSample(sampled, raw_logprobs, rows, prompt)
+        return ops.sample(logits, self._t("draw_temperature", temperature), keys, counters), raw_logprobs
 
     def score_prompt(
         self, compute_logits: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, plan

@@ -30,6 +30,10 @@ class ScheduledChunk:
     start: int  # first position computed this step (== seq.num_computed when scheduled)
     num_tokens: int
     samples: list[Sequence] = field(default_factory=list)  # sequences that sample from the last position
+    # speculative decoding: the chunk's last num_draft tokens are proposals, not yet in seq.token_ids;
+    # verification accepts num_accepted of them (set by the engine before update_computed)
+    num_draft: int = 0
+    num_accepted: int = 0
 
 
 @dataclass
@@ -95,15 +99,25 @@ class Scheduler:
 
     def _schedule_running(self, seq: Sequence, budget: int, scheduled: set[int], out: SchedulerOutput) -> int:
         n = min(seq.num_pending, budget)
+        d = self._draft_slots(seq, budget)
+        n += d
         while not self.bm.can_append(seq.table, seq.num_computed, n):
             victim = next((s for s in reversed(self.running) if s.seq_id not in scheduled), None)
             self.preempt(victim)
             out.num_preempted += 1
             if victim is seq:
                 return 0
-        self._add_chunk(seq, n, out)
+        self._add_chunk(seq, n, out, d)
         scheduled.add(seq.seq_id)
         return n
+
+    def _draft_slots(self, seq: Sequence, budget: int) -> int:
+        """Positions for the sequence's proposals (seq.lookahead, set by the speculator) after its one
+        pending token: all of them or none, and never at the price of a preemption or of the budget."""
+        d = seq.lookahead
+        if not d or seq.num_pending != 1 or not seq.prompt_done or budget < 1 + d:
+            return 0
+        return d if self.bm.can_append(seq.table, seq.num_computed, 1 + d) else 0
 
     def _admit_waiting(self, budget: int, out: SchedulerOutput) -> None:
         while self.waiting and budget > 0:
@@ -130,10 +144,10 @@ class Scheduler:
                 self._mark_prompt_logprobs(seq, out)
             budget -= n
 
-    def _add_chunk(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
+    def _add_chunk(self, seq: Sequence, n: int, out: SchedulerOutput, num_draft: int = 0) -> None:
         out.block_copies += self.bm.prepare_append(seq.table, seq.num_computed, n)
-        chunk = ScheduledChunk(seq, seq.num_computed, n)
-        if seq.num_computed + n == seq.num_tokens:
+        chunk = ScheduledChunk(seq, seq.num_computed, n, num_draft=num_draft)
+        if seq.num_computed + n - num_draft == seq.num_tokens:
             chunk.samples = [seq] if seq.request.forked else [seq] + self._fork(seq)
         out.chunks.append(chunk)
 
@@ -212,13 +226,17 @@ class Scheduler:
 
     # ------------------------------------------------------------------ after the forward pass
     def update_computed(self, out: SchedulerOutput) -> None:
-        """The chunks are now in the KV cache: advance num_computed and publish full blocks."""
+        """The chunks are now in the KV cache: advance num_computed and publish full blocks. A chunk with
+        proposals keeps only its verified positions (its accepted tokens are already appended) and gives
+        back the blocks that hold nothing but rejected ones."""
         for chunk in out.chunks:
-            done = chunk.start + chunk.num_tokens
+            done = chunk.start + chunk.num_tokens - chunk.num_draft + chunk.num_accepted
             for seq in [chunk.seq] + chunk.samples[1:]:
                 if seq.status is not SeqStatus.RUNNING:
                     continue  # a fresh fork child preempted later in the same step: it recomputes
                 seq.num_computed = done
+                if chunk.num_draft:
+                    self.bm.trim(seq.table, seq.num_tokens)
                 self.bm.register_full_blocks(seq.table, seq.token_ids, done)
 
     def preempt(self, seq: Sequence) -> None:

@@ -5,6 +5,13 @@ construction: 1 <= num_speculative_tokens <= 16; the n-gram proposer has
 1 <= prompt_lookup_min <= prompt_lookup_max and no draft model; the draft-model proposer names a local
 checkpoint directory. dtype / device None mean "follow the target model". Nothing here loads a model:
 `check_draft_vocab` is for the loader, once both vocabularies are known.
+
+When speculation stops for a sequence (engine/speculator.py): after `acceptance_window` proposed
+tokens its acceptance rate is below `disable_below_acceptance` (it decodes plainly from then on), or
+more than `disable_by_batch_size` sequences are running (it speculates again once fewer are).
+`synthetic_acceptance_rate` is for benchmarks only: each proposed token is accepted with that
+probability whatever the models say (the emitted text is meaningless), and n-gram proposals are padded
+to k, so a benchmark measures the mechanism at a chosen acceptance on random weights.
 """
 
 from __future__ import annotations
@@ -31,6 +38,10 @@ class SpeculativeConfig:
     model: str | None = None  # draft_model: a local HF-format checkpoint directory
     dtype: str | None = None  # draft_model: None follows the target's dtype
     device: str | None = None  # draft_model: None follows the target's device
+    disable_by_batch_size: int | None = None  # no speculation while more sequences than this run
+    disable_below_acceptance: float = 0.1  # a sequence's accepted / proposed below this stops it
+    acceptance_window: int = 32  # proposed tokens of a sequence before its rate is judged
+    synthetic_acceptance_rate: float | None = None  # benchmarks only: accept each proposal with this
 
     def __post_init__(self) -> None:
         _require(self.method in METHODS, "method", f"got {self.method!r}; use one of {list(METHODS)}")
@@ -44,6 +55,20 @@ class SpeculativeConfig:
             self._check_ngram()
         else:
             self._check_draft_model()
+        self._check_policy()
+
+    def _check_policy(self) -> None:
+        b = self.disable_by_batch_size
+        _require(b is None or (isinstance(b, int) and b >= 1), "disable_by_batch_size",
+                 f"got {b!r}; use None (never) or an integer >= 1")  # fmt: skip
+        r = self.disable_below_acceptance
+        ok = isinstance(r, (int, float)) and 0.0 <= r <= 1.0
+        _require(ok, "disable_below_acceptance", f"got {r!r}; use a rate in [0, 1] (0: never)")
+        w = self.acceptance_window
+        _require(isinstance(w, int) and w >= 1, "acceptance_window", f"got {w!r}; use an integer >= 1")
+        a = self.synthetic_acceptance_rate
+        ok = a is None or (isinstance(a, (int, float)) and 0.0 <= a <= 1.0)
+        _require(ok, "synthetic_acceptance_rate", f"got {a!r}; use None or a probability in [0, 1]")
 
     def _check_ngram(self) -> None:
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max

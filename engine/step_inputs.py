@@ -42,10 +42,23 @@ class StepBatch:
     sample_rows: list[int] = field(default_factory=list)  # for each sampling sequence, its logits row
     samplers: list = field(default_factory=list)
     draw_positions: list[int] = field(default_factory=list)  # for each sampler, the position it draws
+    # chunks with proposals (speculative decoding): their sequence, proposal count, and the packed rows
+    # whose logits score them (1 + num_draft each, in order); the rows holding the proposals themselves
+    # (a draft model's are written on the device: the host packs 0 there)
+    spec_samplers: list = field(default_factory=list)
+    spec_num_draft: list[int] = field(default_factory=list)
+    spec_logit_rows: list[int] = field(default_factory=list)
+    spec_draft_rows: list[int] = field(default_factory=list)
 
     @property
     def is_decode(self) -> bool:
         return all(n == 1 for n in self.query_lens)
+
+    @property
+    def uniform_q(self) -> int | None:
+        """The query length every sequence shares (CUDA graphs need one), else None."""
+        q = self.query_lens[0] if self.query_lens else None
+        return q if all(n == q for n in self.query_lens) else None
 
 
 def build_batch(out: SchedulerOutput, block_size: int) -> StepBatch:
@@ -60,6 +73,8 @@ def build_batch(out: SchedulerOutput, block_size: int) -> StepBatch:
             b.input_ids.append(seq.token_ids[start] if start < len(seq.token_ids) else 0)
             b.positions.append(start)
             b.slot_mapping.append(blocks[start // block_size] * block_size + start % block_size)
+        elif chunk.num_draft:
+            _add_spec_chunk(b, chunk, block_size)
         else:
             b.input_ids += seq.token_ids[start:end]
             b.positions += range(start, end)
@@ -69,6 +84,8 @@ def build_batch(out: SchedulerOutput, block_size: int) -> StepBatch:
         b.query_lens.append(chunk.num_tokens)
         b.seq_lens.append(end)
         b.block_tables.append(blocks)
+        if chunk.num_draft:
+            continue  # its rows are scored by verification, not drawn from
         if chunk.samples:
             b.logit_rows.append(len(b.input_ids) - 1)
             for s in chunk.samples:  # the sampled token lands at position `end`
@@ -76,6 +93,24 @@ def build_batch(out: SchedulerOutput, block_size: int) -> StepBatch:
                 b.samplers.append(s)
                 b.draw_positions.append(end)
     return b
+
+
+def _add_spec_chunk(b: StepBatch, chunk, block_size: int) -> None:
+    """A decode chunk with proposals: the pending token, then the proposals (host ones, or 0 where a
+    draft model writes them on the device), each position scored."""
+    seq, start, d = chunk.seq, chunk.start, chunk.num_draft
+    first = len(b.input_ids)
+    b.input_ids.append(seq.token_ids[start])
+    b.input_ids += seq.draft + [0] * (d - len(seq.draft))  # 0: a padded or a draft model's position
+    b.positions += range(start, start + d + 1)
+    blocks = seq.table.blocks
+    b.slot_mapping += [
+        blocks[p // block_size] * block_size + p % block_size for p in range(start, start + d + 1)
+    ]
+    b.spec_samplers.append(seq)
+    b.spec_num_draft.append(d)
+    b.spec_logit_rows += range(first, first + d + 1)
+    b.spec_draft_rows += range(first + 1, first + d + 1)
 
 
 @dataclass
@@ -139,22 +174,22 @@ class Layout:
         return self.seq_lens_at + _up(self.num_seqs, 4)
 
 
-def pack(b: StepBatch, num_seqs: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+def pack(b: StepBatch, num_seqs: int, width: int, pad_q: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """The two host buffers, padded to `num_seqs` sequences (>= the real count; padding only for
-    decode steps, where rows == sequences) and block-table width `width`."""
+    CUDA-graph steps, whose sequences all have `pad_q` query tokens) and block-table width `width`."""
     pad = num_seqs - len(b.seq_lens)
-    rows = len(b.input_ids) + pad
+    rows = len(b.input_ids) + pad * pad_q
     lay = Layout(rows, num_seqs)
     r = lay.row_stride
     i64 = np.zeros(3 * r, dtype=np.int64)
     i64[: len(b.input_ids)] = b.input_ids
     i64[r : r + len(b.positions)] = b.positions
     i64[2 * r : 2 * r + len(b.slot_mapping)] = b.slot_mapping
-    i64[2 * r + rows - pad : 2 * r + rows] = -1  # padding tokens write nothing
+    i64[2 * r + rows - pad * pad_q : 2 * r + rows] = -1  # padding tokens write nothing
     i32 = np.zeros(lay.tables_at + num_seqs * width, dtype=np.int32)
     i32[1 : len(b.query_lens) + 1] = np.cumsum(b.query_lens)
-    i32[len(b.query_lens) + 1 : num_seqs + 1] = i32[len(b.query_lens)] + np.arange(1, pad + 1)
-    i32[lay.seq_lens_at : lay.seq_lens_at + num_seqs] = b.seq_lens + [1] * pad
+    i32[len(b.query_lens) + 1 : num_seqs + 1] = i32[len(b.query_lens)] + pad_q * np.arange(1, pad + 1)
+    i32[lay.seq_lens_at : lay.seq_lens_at + num_seqs] = b.seq_lens + [pad_q] * pad
     tables = i32[lay.tables_at :].reshape(num_seqs, width)
     for row, blocks in zip(tables, b.block_tables):
         row[: len(blocks)] = blocks  # entries past a sequence's last block are never read
@@ -162,19 +197,25 @@ def pack(b: StepBatch, num_seqs: int, width: int) -> tuple[torch.Tensor, torch.T
 
 
 def unpack(
-    i64: torch.Tensor, i32: torch.Tensor, b: StepBatch, num_seqs: int, width: int, block_size: int
+    i64: torch.Tensor,
+    i32: torch.Tensor,
+    b: StepBatch,
+    num_seqs: int,
+    width: int,
+    block_size: int,
+    pad_q: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """(input_ids, positions, metadata) as views into the two buffers, on whatever device they are."""
     pad = num_seqs - len(b.seq_lens)
-    lay = Layout(sum(b.query_lens) + pad, num_seqs)
+    lay = Layout(sum(b.query_lens) + pad * pad_q, num_seqs)
     rows, r = lay.rows, lay.row_stride
     meta = AttentionMetadata(
         cu_seqlens_q=i32[: num_seqs + 1],
         seq_lens=i32[lay.seq_lens_at : lay.seq_lens_at + num_seqs],
         slot_mapping=i64[2 * r : 2 * r + rows],
         block_tables=i32[lay.tables_at :].view(num_seqs, width),
-        query_lens_cpu=b.query_lens + [1] * pad,
-        seq_lens_cpu=b.seq_lens + [1] * pad,
+        query_lens_cpu=b.query_lens + [pad_q] * pad,
+        seq_lens_cpu=b.seq_lens + [pad_q] * pad,
         max_seqlen_q=max(b.query_lens),
         max_seqlen_k=max(b.seq_lens) if pad == 0 else width * block_size,
         block_size=block_size,

@@ -63,3 +63,18 @@ def test_long_sequence_matches_naive():
 def test_rejects_bad_arguments():
     with pytest.raises(ValueError, match="k >= 1"):
         propose([1, 2], 0, 2, 1)
+
+
+def test_index_matches_the_scan_as_the_sequence_grows():
+    """NgramIndex (incremental) proposes exactly what the reverse scan `propose` does, at every length."""
+    import random
+
+    from engine.ngram_proposer import NgramIndex
+
+    rng = random.Random(3)
+    for n_max, n_min, k in ((4, 1, 3), (3, 2, 5), (1, 1, 2)):
+        tokens = [rng.randrange(6) for _ in range(3)]
+        index = NgramIndex(n_max, n_min)
+        for _ in range(200):
+            assert index.propose(tokens, k) == propose(tokens, k, n_max, n_min)
+            tokens.append(rng.randrange(6))
