@@ -22,7 +22,8 @@ ray_minserve_{time_to_first_token,engine_time_to_first_token,inter_token_latency
 queue_time}_seconds,
 ray_minserve_{prompt_tokens,generation_tokens,preemptions,aborts,errors}_total,
 ray_minserve_{num_running,num_waiting,kv_blocks_used,kv_blocks_total,prefix_cache_hit_rate,
-ongoing_requests}.
+ongoing_requests}; with speculative decoding also ray_minserve_spec_{draft_tokens,accepted_tokens,
+verified_chunks}_total and ray_minserve_spec_{acceptance_rate,mean_accepted_length}.
 """
 
 from __future__ import annotations
@@ -51,6 +52,9 @@ _COUNTERS = {
     "num_preemptions": ("minserve_preemptions", "Sequences preempted for lack of KV blocks."),
     "num_aborts": ("minserve_aborts", "Requests aborted (client disconnects included)."),
     "num_errors": ("minserve_errors", "Requests that finished with an engine error."),
+    "spec_draft_tokens": ("minserve_spec_draft_tokens", "Speculative proposals verified."),
+    "spec_accepted_tokens": ("minserve_spec_accepted_tokens", "Speculative proposals accepted."),
+    "spec_verify_rows": ("minserve_spec_verified_chunks", "Sequence-steps that verified proposals."),
 }
 # stats() key -> gauge name
 _GAUGES = {
@@ -58,6 +62,11 @@ _GAUGES = {
     "num_waiting": ("minserve_num_waiting", "Requests queued in the scheduler."),
     "kv_blocks_used": ("minserve_kv_blocks_used", "KV cache blocks in use."),
     "kv_blocks_total": ("minserve_kv_blocks_total", "KV cache blocks in the pool."),
+    "spec_acceptance_rate": ("minserve_spec_acceptance_rate", "Accepted / proposed since start."),
+    "spec_mean_accepted_length": (
+        "minserve_spec_mean_accepted_length",
+        "Tokens emitted per verified sequence-step (accepted proposals + 1) since start.",
+    ),
     "prefix_cache_hit_rate": (
         "minserve_prefix_cache_hit_rate",
         "Prompt tokens served from the prefix cache.",

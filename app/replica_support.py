@@ -19,11 +19,15 @@ def log_finished(out: RequestOutput) -> None:
     m = out.metrics
     ms = lambda t: f"{1000 * (t - m.arrival_time):.1f}" if t is not None else "-"
     reasons = ",".join(sorted({d.finish_reason for d in out.outputs if d.finish_reason}))
+    spec = ""
+    if m.spec_draft_tokens:  # speculative decoding: how many of its proposals were accepted
+        spec = f"; accepted {m.spec_accepted_tokens}/{m.spec_draft_tokens} proposals"
     logger.info(
         "request %s %s: prompt %d, completion %d, cached %d tokens; "
-        "queue %s ms, engine ttft %s ms, ttft %s ms, e2e %s ms",
+        "queue %s ms, engine ttft %s ms, ttft %s ms, e2e %s ms%s",
         out.request_id, reasons or "finished", out.prompt_tokens, out.completion_tokens, out.cached_tokens,
         ms(m.first_scheduled_time), ms(m.engine_token_time), ms(m.first_token_time), ms(m.finished_time),
+        spec,
     )  # fmt: skip
 
 

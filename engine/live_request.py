@@ -42,7 +42,7 @@ class LiveRequest:
         samples: list,
         finished: bool,
         cached: int,
-        times: tuple[float | None, float | None] | None,
+        times: tuple | None,
         now: float,
         fault: Check | None,
         prompt_logprobs: list[TokenLogprob | None] | None = None,
@@ -52,7 +52,8 @@ class LiveRequest:
         `prompt_logprobs`, on the one record that carries them: passed on as they are."""
         self.cached_tokens = cached or self.cached_tokens
         if times is not None:
-            self.metrics.first_scheduled_time, self.metrics.engine_token_time = times
+            m = self.metrics
+            m.first_scheduled_time, m.engine_token_time, m.spec_draft_tokens, m.spec_accepted_tokens = times
         if fault is not None:  # fault injection (tests only)
             fault("detokenize", self)
         deltas = [d for d in (self._delta(*s) for s in samples) if d is not None]

@@ -90,23 +90,28 @@ class ModelRunner:
         self.upload = Uploader(self.device)
         # unseeded sequences draw from stream (base, seq_id); the base follows load.seed (set above)
         self.unseeded_base = int(torch.randint(0, 2**62, (1,)).item())
-        # CUDA graphs by query length: 1 (decode) and, when speculating, k + 1 (verification)
-        self.graphs_by_q: dict[int, DecodeGraphs] = {}
         max_batch = min(config.scheduler.max_num_seqs, 512)
-        if self.device.type == "cuda" and not config.load.enforce_eager:
-            width, hidden = -(-self.max_model_len // self.block_size), self.model_config.hidden_size
-            lengths = [1] + ([spec.num_speculative_tokens + 1] if spec is not None else [])
-            for q in lengths:
-                g = DecodeGraphs(
-                    self.model, self.device, max_batch, width, self.block_size, hidden, self.dtype, q
-                )
-                g.capture()
-                self.graphs_by_q[q] = g
+        self.graphs_by_q = self._capture_graphs(config, max_batch)
         self.graphs: DecodeGraphs | None = self.graphs_by_q.get(1)
         if self.draft is not None:
             self.draft.allocate(
                 self.kv_spec.num_blocks, max_batch, self.max_model_len, bool(self.graphs_by_q)
             )
+
+    def _capture_graphs(self, config: EngineConfig, max_batch: int) -> dict[int, DecodeGraphs]:
+        """CUDA graphs by query length: 1 (decode) and, when speculating, k + 1 (verification)."""
+        if self.device.type != "cuda" or config.load.enforce_eager:
+            return {}
+        spec = config.speculative
+        width, hidden = -(-self.max_model_len // self.block_size), self.model_config.hidden_size
+        graphs = {}
+        for q in [1] + ([spec.num_speculative_tokens + 1] if spec is not None else []):
+            g = DecodeGraphs(
+                self.model, self.device, max_batch, width, self.block_size, hidden, self.dtype, q
+            )
+            g.capture()
+            graphs[q] = g
+        return graphs
 
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()
@@ -119,15 +124,7 @@ class ModelRunner:
         self._copy_blocks(out.block_copies)
         batch = build_batch(out, self.block_size)
         spec_rows = [self._sampling_row(s, s.num_computed + 1) for s in batch.spec_samplers]
-        drafts = None
-        if self.draft is not None and out.prev_rows is None:
-            drafts = self.draft.propose(out, spec_rows, self.sampler)
-        draft_ids = None
-        if drafts is not None:
-            draft_ids = (
-                self.upload.values("draft_rows", batch.spec_draft_rows, torch.long),
-                drafts.tokens.reshape(-1),
-            )
+        drafts, draft_ids = self._propose(out, batch, spec_rows)
         fed_back = self._fed_back(out, prev)
         hidden = forward_batch(
             self.model, self.graphs_by_q, self.upload, batch, self.block_size, fed_back, draft_ids
@@ -154,6 +151,17 @@ class ModelRunner:
                 functools.partial(self._start_draw, logits, rows, scores, batch.samplers, constrained, True)
             )
         return self._start_draw(logits, rows, scores, batch.samplers, constrained)()
+
+    def _propose(self, out: SchedulerOutput, batch: StepBatch, spec_rows):
+        """A draft model's proposals (and the input rows they fill); (None, None) without one. Steps
+        scheduled ahead carry no proposals, and the draft catches up on them later."""
+        if self.draft is None or out.prev_rows is not None:
+            return None, None
+        drafts = self.draft.propose(out, spec_rows, self.sampler)
+        if drafts is None:
+            return None, None
+        rows = self.upload.values("draft_rows", batch.spec_draft_rows, torch.long)
+        return drafts, (rows, drafts.tokens.reshape(-1))
 
     def _execute_spec(
         self, batch: StepBatch, hidden, scores, spec_rows, drafts: DraftOutput | None

@@ -79,7 +79,7 @@ class NullEngine:
             r.first_token = r.first_token or now
             done = r.emitted >= r.params.max_tokens
             sample = (0, tokens, [1] * len(tokens), None, "length" if done else None, None, False)
-            times = (r.first_scheduled, r.first_token) if done else None
+            times = (r.first_scheduled, r.first_token, 0, 0) if done else None
             records.append((r.request_id, [sample], done, 0, times, None))
             if done:
                 self._drop(r)
@@ -98,7 +98,7 @@ class NullEngine:
             self.waiting.remove(request)
         self._drop(request)
         self.stats["num_aborts"] += reason == "abort"
-        times = (request.first_scheduled, request.first_token)
+        times = (request.first_scheduled, request.first_token, 0, 0)
         return (rid, [(0, [], [], None, reason, None, False)], True, 0, times, None)
 
     def stop_sample(self, rid: str, index: int) -> None:

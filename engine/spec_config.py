@@ -40,7 +40,7 @@ class SpeculativeConfig:
     device: str | None = None  # draft_model: None follows the target's device
     disable_by_batch_size: int | None = None  # no speculation while more sequences than this run
     disable_below_acceptance: float = 0.1  # a sequence's accepted / proposed below this stops it
-    acceptance_window: int = 32  # proposed tokens of a sequence before its rate is judged
+    acceptance_window: int = 16  # proposed tokens of a sequence before its rate is judged
     synthetic_acceptance_rate: float | None = None  # benchmarks only: accept each proposal with this
 
     def __post_init__(self) -> None:
