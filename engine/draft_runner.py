@@ -31,7 +31,7 @@ from engine.sampler import Sampler, SamplingRow
 from engine.scheduler import ScheduledChunk, SchedulerOutput
 from engine.spec_config import SpeculativeConfig, check_draft_vocab
 from engine.speculator import SpecState
-from engine.step_inputs import StepBatch, build_batch
+from engine.step_inputs import StepBatch, build_batch, slots
 from engine.uploader import Uploader
 from kernels import ops
 
@@ -158,7 +158,7 @@ def _decode_batch(starts: list[int], j: int, tables: list[list[int]], block_size
     return StepBatch(
         input_ids=[0] * len(starts),
         positions=positions,
-        slot_mapping=[t[p // block_size] * block_size + p % block_size for t, p in zip(tables, positions)],
+        slot_mapping=[slots(t, (p,), block_size)[0] for t, p in zip(tables, positions)],
         query_lens=[1] * len(starts),
         seq_lens=[p + 1 for p in positions],
         block_tables=tables,

@@ -91,37 +91,25 @@ class PendingSpec:
         host = [t.tolist() for t in self._host]
         argmax = host.pop(0)
         drafts = self.spec.host_drafts if self.spec.host_drafts is not None else host.pop(0)
-        tokens = _greedy_tokens(argmax, drafts, self.spec.num_draft, self.spec.positions)
+        if self.synthetic is not None:  # benchmarks: every row, sampled or not, by the coin alone
+            alpha, rng = self.synthetic, self.rng
+            result.spec_tokens = _accept_prefix(argmax, drafts, self.spec, lambda x, t: rng.random() < alpha)
+            return result
+        tokens = _accept_prefix(argmax, drafts, self.spec, lambda x, t: x == t)
         if host:  # sampled rows: verify's tokens, PAD after the emitted ones
             for row, (n_acc, toks) in zip(self._sampled_index, zip(host[0], host[1])):
                 tokens[row] = toks[: n_acc + 1]
-        if self.synthetic is not None:
-            spec = self.spec
-            tokens = _synthetic_tokens(
-                argmax, drafts, spec.num_draft, spec.positions, self.synthetic, self.rng
-            )
         result.spec_tokens = tokens
         return result
 
 
-def _greedy_tokens(argmax: list[int], drafts, num_draft: list[int], positions: list[int]) -> list[list[int]]:
+def _accept_prefix(argmax: list[int], drafts, spec: SpecRows, accept) -> list[list[int]]:
+    """Per row: its proposals while accept(proposal, target argmax there) holds, then the argmax where
+    it first fails (or after the last real proposal)."""
     out, at = [], 0
-    for draft, d, pos in zip(drafts, num_draft, positions):
+    for draft, d, pos in zip(drafts, spec.num_draft, spec.positions):
         a = 0
-        while a < d and draft[a] == argmax[at + a]:
-            a += 1
-        out.append(list(draft[:a]) + [argmax[at + a]])
-        at += pos + 1
-    return out
-
-
-def _synthetic_tokens(
-    argmax, drafts, num_draft, positions, alpha: float, rng: random.Random
-) -> list[list[int]]:
-    out, at = [], 0
-    for draft, d, pos in zip(drafts, num_draft, positions):
-        a = 0
-        while a < d and rng.random() < alpha:
+        while a < d and accept(draft[a], argmax[at + a]):
             a += 1
         out.append(list(draft[:a]) + [argmax[at + a]])
         at += pos + 1
@@ -137,12 +125,14 @@ class SpecSampler:
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, spec: SpecRows, plain: PendingSample | None) -> PendingSpec:
         """logits [sum(d_i + 1), V]: each speculating row's positions in order."""
-        per_pos = self._position_rows(spec)
+        sampled_rows = [i for i, r in enumerate(spec.rows) if not r.params.greedy]
+        processors = not all(_no_processor(r.params) for r in spec.rows)
+        # per-position rows only where something reads them: the common greedy step needs none
+        per_pos = self._position_rows(spec) if processors or sampled_rows else None
         raw = logits
-        if not all(_no_processor(r.params) for r in spec.rows):
+        if processors:
             logits = self.sampler._apply_processors(logits.float(), per_pos)
         argmax = ops.argmax(logits)
-        sampled_rows = [i for i, r in enumerate(spec.rows) if not r.params.greedy]
         sampled = self._verify_sampled(logits, raw, spec, per_pos, sampled_rows) if sampled_rows else None
         return PendingSpec(plain, spec, argmax, sampled, self.synthetic, self.rng)
 

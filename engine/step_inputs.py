@@ -78,9 +78,7 @@ def build_batch(out: SchedulerOutput, block_size: int) -> StepBatch:
         else:
             b.input_ids += seq.token_ids[start:end]
             b.positions += range(start, end)
-            b.slot_mapping += [
-                blocks[p // block_size] * block_size + p % block_size for p in range(start, end)
-            ]
+            b.slot_mapping += slots(blocks, range(start, end), block_size)
         b.query_lens.append(chunk.num_tokens)
         b.seq_lens.append(end)
         b.block_tables.append(blocks)
@@ -95,6 +93,11 @@ def build_batch(out: SchedulerOutput, block_size: int) -> StepBatch:
     return b
 
 
+def slots(blocks: list[int], positions, block_size: int) -> list[int]:
+    """The flat KV slots of `positions` of a sequence whose block table is `blocks`."""
+    return [blocks[p // block_size] * block_size + p % block_size for p in positions]
+
+
 def _add_spec_chunk(b: StepBatch, chunk, block_size: int) -> None:
     """A decode chunk with proposals: the pending token, then the proposals (host ones, or 0 where a
     draft model writes them on the device), each position scored."""
@@ -103,10 +106,7 @@ def _add_spec_chunk(b: StepBatch, chunk, block_size: int) -> None:
     b.input_ids.append(seq.token_ids[start])
     b.input_ids += seq.draft + [0] * (d - len(seq.draft))  # 0: a padded or a draft model's position
     b.positions += range(start, start + d + 1)
-    blocks = seq.table.blocks
-    b.slot_mapping += [
-        blocks[p // block_size] * block_size + p % block_size for p in range(start, start + d + 1)
-    ]
+    b.slot_mapping += slots(seq.table.blocks, range(start, start + d + 1), block_size)
     b.spec_samplers.append(seq)
     b.spec_num_draft.append(d)
     b.spec_logit_rows += range(first, first + d + 1)

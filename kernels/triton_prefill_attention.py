@@ -93,11 +93,24 @@ def _prefill_kernel(
 SHORT_Q = 16  # at most this many queries per sequence: one 16-row tile (tl.dot's smallest M)
 
 
-def prefill_config(head_dim: int, fp8_cache: bool = False) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages), fixed per head_dim and cache type (no autotune).
+def prefill_config(
+    head_dim: int, fp8_cache: bool = False, max_seqlen_q: int | None = None
+) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages), fixed per head_dim, cache type and, for at most SHORT_Q
+    queries per sequence, the query length (no autotune).
 
     An fp8 cache takes 64-row tiles on 4 warps: a 512-token chunk after 1,536 cached tokens (8 sequences,
-    16 / 8 heads, H200) ran 306 us against 474 with the bf16 config (bf16 cache: 337)."""
+    16 / 8 heads, H200) ran 306 us against 474 with the bf16 config (bf16 cache: 337). A few queries per
+    sequence (speculative verification: k + 1) take one 16-row tile on 4 warps: a 128-row tile would be
+    almost all padding, computed for every key (verify k=4, batch 64, 8B shape, H200: the kernel took
+    5.0 ms of a 12.9 ms step with 128-row tiles, 1.4 ms with 16)."""
+    bm, bn, num_warps, num_stages = _tile_config(head_dim, fp8_cache)
+    if max_seqlen_q is not None and max_seqlen_q <= SHORT_Q:
+        return 16, bn, 4, num_stages
+    return bm, bn, num_warps, num_stages
+
+
+def _tile_config(head_dim: int, fp8_cache: bool) -> tuple[int, int, int, int]:
     if fp8_cache and head_dim <= 128:
         return 64, 64, 4, 2
     if head_dim <= 64:
@@ -139,12 +152,7 @@ def prefill_attention(
     batch = cu_seqlens_q.shape[0] - 1
     if num_tokens == 0 or batch == 0:
         return out
-    bm, bn, num_warps, num_stages = prefill_config(head_dim, k.dtype == torch_ops.FP8_DTYPE)
-    if max_seqlen_q <= SHORT_Q:
-        # a few queries per sequence (speculative verification: k + 1): a 128-row tile would be almost
-        # all padding, computed for every key; 16 rows on 4 warps (verify k=4, batch 64, 8B shape,
-        # H200: the kernel took 5.0 ms of a 12.9 ms step with the prefill tile)
-        bm, num_warps = 16, 4
+    bm, bn, num_warps, num_stages = prefill_config(head_dim, k.dtype == torch_ops.FP8_DTYPE, max_seqlen_q)
     bm, bn = block_m or bm, block_n or bn
     paged = block_tables is not None
     if paged:

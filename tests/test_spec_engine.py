@@ -33,6 +33,7 @@ from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from scripts.make_model import make_model
 from scripts.model_shapes import get_spec
+from tests.stats import chi_square_p
 
 pytestmark = pytest.mark.engine
 ALPHA = 1e-4
@@ -175,18 +176,6 @@ def target_pairs(tiny_model_dir):
         t1s, p1 = top(prompt + [t0])
         table.update({(t0, t1): p * q for t1, q in zip(t1s, p1.tolist())})
     return prompt, table
-
-
-def chi_square_p(observed: list[float], expected: list[float]) -> float:
-    """p-value of Pearson's statistic; cells with expected count < 5 are pooled into one."""
-    obs, exp = torch.tensor(observed, dtype=torch.float64), torch.tensor(expected, dtype=torch.float64)
-    small = exp < 5
-    obs = torch.cat([obs[~small], obs[small].sum()[None]])
-    exp = torch.cat([exp[~small], exp[small].sum()[None]])
-    keep = exp > 0
-    stat = ((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()
-    df = torch.tensor(float(keep.sum() - 1), dtype=torch.float64)
-    return float(torch.special.gammaincc(df / 2, stat / 2))
 
 
 @pytest.mark.parametrize("method", ["near", "seed7", "ngram"])

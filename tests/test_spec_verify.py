@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from engine.spec_verify import PAD, draw_uniforms, verify
+from tests.stats import chi_square_p
 
 pytestmark = pytest.mark.engine
 V, K = 5, 2
@@ -71,18 +72,6 @@ def test_rows_equal_naive_recompute(one_hot):
         assert out.tokens[r, : a + 1].tolist() == want, r
         assert (out.tokens[r, a + 1 :] == PAD).all()
     assert out.num_accepted[greedy].sum() > 0 and out.num_accepted[~greedy].sum() > 0
-
-
-def chi_square_p(observed: torch.Tensor, expected: torch.Tensor) -> float:
-    """p-value of Pearson's statistic; cells with expected count < 5 are pooled into one."""
-    obs, exp = observed.double().flatten(), expected.double().flatten()
-    small = exp < 5
-    obs = torch.cat([obs[~small], obs[small].sum()[None]])
-    exp = torch.cat([exp[~small], exp[small].sum()[None]])
-    keep = exp > 0
-    stat = ((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()
-    df = torch.tensor(float(keep.sum() - 1), dtype=torch.float64)
-    return float(torch.special.gammaincc(df / 2, stat / 2))
 
 
 def make_tables(g: torch.Generator):
