@@ -28,7 +28,7 @@ import statistics
 import time
 from pathlib import Path
 
-from benchmarks.common import ckpt_path, environment, random_prompts, write_json
+from benchmarks.common import environment, random_prompts, write_json
 
 MATMUL_MARKERS = ("gemm", "gemv", "cutlass", "xmma", "sm90_", "cublas", "nvjet")  # gemv: ours too
 
@@ -220,26 +220,28 @@ def main() -> None:
     parser.add_argument("--ckpt-dir", default="/tmp/minserve_bench")
     parser.add_argument("--out", default="benchmarks/reports")
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--format", default="bf16", help="weights: bf16, fp8-block, fp8-channel or int8")
     args = parser.parse_args()
 
-    from benchmarks.bench import make_checkpoint
-    from benchmarks.roofline import model_cost
+    from benchmarks.quant_decode import FORMATS, checkpoint, weight_bytes
     from engine import LLM
 
-    path = ckpt_path(args.ckpt_dir, args.model, smoke=False)
-    make_checkpoint(args.model, path, smoke=False)
+    if args.format not in FORMATS:
+        parser.error(f"--format must be one of {', '.join(FORMATS)}")
+    path, opts = checkpoint(args.model, args.format, Path(args.ckpt_dir))
     llm = LLM(str(path), dtype="bfloat16", max_num_seqs=max(args.batch, 8), enforce_eager=args.enforce_eager,
-              gpu_memory_utilization=0.85, enable_prefix_caching=False)  # fmt: skip
+              gpu_memory_utilization=0.85, enable_prefix_caching=False, **opts)  # fmt: skip
     walls, kernels, device_us = profile(llm, args.batch, args.prompt, args.steps)
     summary = summarise(kernels, args.steps, 1e6 * statistics.median(walls))
     summary["device_step_us"] = device_us
-    cost = model_cost(path)
-    md = to_markdown(args.model, args.batch, args.prompt, summary, cost.step_weight_bytes)
+    step_bytes = weight_bytes(llm.engine.runner.model)[1]
+    title = args.model if args.format == "bf16" else f"{args.model} ({args.format})"
+    md = to_markdown(title, args.batch, args.prompt, summary, step_bytes)
     print(md)
     out = Path(args.out)
-    stem = f"decode_profile_{args.model}_b{args.batch}"
-    record = {"model": args.model, "batch": args.batch, "prompt": args.prompt, "steps": args.steps,
-              "summary": summary, "env": environment()}  # fmt: skip
+    stem = f"decode_profile_{args.model}_b{args.batch}" + ("" if args.format == "bf16" else f"_{args.format}")
+    record = {"model": args.model, "format": args.format, "batch": args.batch, "prompt": args.prompt,
+              "steps": args.steps, "summary": summary, "env": environment()}  # fmt: skip
     write_json(out / f"{stem}.json", record)
     (out / f"{stem}.md").write_text(md)
 

@@ -90,7 +90,7 @@ def make_call(kind: str, weights: dict, x, act: str | None):
         return lambda: triton_gemv.gemv(x, weights["w"])
     args = (weights["qweight"], weights["scale"], weights["row_block"], None, weights["scheme"])
     if kind == "qgemv":
-        return lambda: triton_qgemv.qgemv(x, *args)
+        return lambda: triton_qgemv.qgemv(x, *args, act_quant=act)
     if kind == "qgemm":
         return lambda: triton_qgemm.qgemm(x, *args, act)
     xq, sx = triton_qgemm.quantise_activations(x, act)  # scaled_mm: x quantised beforehand

@@ -22,27 +22,22 @@ from benchmarks.quant_bench import (
     time_calls,
 )
 
+W8A8 = ("qgemv", "int8-channel", "int8_token")
 # (label, {module attribute: value}, kernel, weights, act_quant): M = 1
 GEMV = [
     ("gemv bf16", {}, "gemv", "bf16", None),
     ("qgemv fp8 default", {}, "qgemv", "fp8-channel", None),
-    ("qgemv fp8 short 2048x8", {"qv.SHORT_ROWS": (2048, 2, 8, 4)}, "qgemv", "fp8-channel", None),
     ("qgemv fp8 short 1024x8 s3", {"qv.SHORT_ROWS": (1024, 3, 8, 4)}, "qgemv", "fp8-channel", None),
-    ("qgemv fp8 short 4096x4 w8", {"qv.SHORT_ROWS": (4096, 2, 4, 8)}, "qgemv", "fp8-channel", None),
-    ("qgemv fp8 4 prog/SM", {"qv.MIN_PROGRAMS_PER_SM": 4}, "qgemv", "fp8-channel", None),
-    ("qgemv fp8 long 2048x8", {"qv.LONG_ROWS": (2048, 3, 8, 8)}, "qgemv", "fp8-channel", None),
-    ("qgemv fp8 long 1024x8 w4", {"qv.LONG_ROWS": (1024, 4, 8, 4)}, "qgemv", "fp8-channel", None),
+    ("qgemv fp8-block default", {}, "qgemv", "fp8-block", None),
     ("qgemv int8 default", {}, "qgemv", "int8-channel", None),
-    ("qgemm int8 tok M1", {}, "qgemm", "int8-channel", "int8_token"),
-    (
-        "qgemm int8 tok M1 bn128",
-        {"qm.CONFIGS": ((16, 16, 128, 4, 4), (1 << 62, 128, 128, 8, 3))},
-        "qgemm",
-        "int8-channel",
-        "int8_token",
-    ),
-    ("qgemm int8 tok M1 4/SM", {"qm.SPLIT_PROGRAMS_PER_SM": 4}, "qgemm", "int8-channel", "int8_token"),
-    ("qgemm fp8 tok M1", {}, "qgemm", "fp8-channel", "fp8_token"),
+    ("qgemv int8 triton-lowered", {"qv.PRMT_INT8": False}, "qgemv", "int8-channel", None),
+    ("qgemv int8 w8a8 dp4a", {}, *W8A8),
+    ("qgemv int8 w8a8 dp4a, float-GEMV tiles", {"w8.MAX_WIDE_PROGRAMS_PER_SM": 0}, *W8A8),
+    ("qgemv int8 w8a8 dp4a, wide 16x1024 s3", {"w8.WIDE": (16, 1024, 3, 8)}, *W8A8),
+    ("qgemv int8 w8a8 dp4a, wide 16x2048 w4", {"w8.WIDE": (16, 2048, 2, 4)}, *W8A8),
+    ("qgemv int8 w8a8 dp4a, wide up to 8/SM", {"w8.MAX_WIDE_PROGRAMS_PER_SM": 8}, *W8A8),
+    ("qgemv int8 w8a8 dp4a, long 16x2048", {"qv.LONG_ROWS": (2048, 3, 16, 8)}, *W8A8),
+    ("qgemv int8 w8a8 dp4a, long 8x1024 s4", {"qv.LONG_ROWS": (1024, 4, 8, 8)}, *W8A8),
 ]
 # M = 64
 GEMM = [
@@ -73,9 +68,9 @@ GEMM = [
 
 def patched(patches: dict):
     """Set module constants for one variant; returns the undo."""
-    from kernels import triton_qgemm, triton_qgemv
+    from kernels import triton_qgemm, triton_qgemv, triton_qgemv_w8a8
 
-    mods = {"qv": triton_qgemv, "qm": triton_qgemm}
+    mods = {"qv": triton_qgemv, "qm": triton_qgemm, "w8": triton_qgemv_w8a8}
     old = {}
     for key, value in patches.items():
         mod, name = key.split(".")
@@ -119,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default="llama-3.1-8b")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--m", default="1,64", help="batch sizes to sweep: 1 (GEMV variants), 64 (GEMM variants)")
     args = ap.parse_args(argv)
     from benchmarks.common import environment, write_report
 
@@ -126,8 +122,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for model in args.models.split(","):
         for proj, (n, k) in SHAPES[model].items():
-            rows += [{"model": model, "proj": proj, **r} for r in sweep(n, k, 1, GEMV, env, args.reps)]
-            rows += [{"model": model, "proj": proj, **r} for r in sweep(n, k, 64, GEMM, env, args.reps)]
+            for m in map(int, args.m.split(",")):
+                variants = GEMV if m == 1 else GEMM
+                found = sweep(n, k, m, variants, env, args.reps)
+                rows += [{"model": model, "proj": proj, **r} for r in found]
     lines = ["| model | proj | M | variant | µs | % of peak |", "|---|---|---|---|---|---|"]
     lines += [f"| {r['model']} | {r['proj']} | {r['m']} | {r['label']} | {r.get('us', r.get('error'))} | "
               f"{r.get('pct_peak', '')} |" for r in rows]  # fmt: skip

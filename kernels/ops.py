@@ -70,10 +70,12 @@ def quant_linear(
     """x [..., K] (model dtype) @ dequantised W^T (+ bias) -> [..., N] in x.dtype; the storage is
     documented in engine/models/quant_linear.py, the arithmetic in torch_ops.quant_linear.
 
-    On CUDA a single row (batch-1 decode) goes to triton_qgemv, which dequantises W in registers and
-    does NOT quantise the activations whatever act_quant says: one row is a pure weight stream, so
-    skipping the activation rounding costs nothing and is more accurate. Several rows go to
-    triton_qgemm, which quantises activations as act_quant says. Elsewhere: the torch twin."""
+    On CUDA a single row (batch-1 decode) goes to triton_qgemv. With int8 per-channel weights and
+    "int8_token" it quantises the row and sums in integers (DP4A), which is cheaper than turning every
+    weight into a float; otherwise it dequantises W in registers and leaves the activations exact
+    whatever act_quant says (one row is a pure weight stream, so skipping their rounding costs
+    nothing). Several rows go to triton_qgemm, which quantises activations as act_quant says.
+    Elsewhere: the torch twin."""
     rows = x.numel() // x.shape[-1]
     if not use_triton(x) or rows == 0:
         return torch_ops.quant_linear(x, qweight, scale, row_block, bias, scheme, act_quant)
@@ -81,7 +83,7 @@ def quant_linear(
     if rows == 1:
         from kernels import triton_qgemv
 
-        y = triton_qgemv.qgemv(x2d, qweight, scale, row_block, bias, scheme)
+        y = triton_qgemv.qgemv(x2d, qweight, scale, row_block, bias, scheme, act_quant=act_quant)
     else:
         from kernels import triton_qgemm
 

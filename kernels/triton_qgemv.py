@@ -13,8 +13,10 @@ The design is kernels/triton_gemv.py's, fed half the bytes per element:
     the grid has MIN_PROGRAMS_PER_SM programs per SM;
   * weights become fp32 in registers: fp8 by the hardware conversion (e4m3x2 -> f16x2 -> f32); int8 by
     the float magic-number trick (q + 128, i.e. the byte with its sign bit flipped, under the exponent
-    of 2^23 reads as 2^23 + 128 + q; subtracting that gives q exactly: integer ops and an FADD, where
-    I2F would run at a quarter of the FMA rate);
+    of 2^23 reads as 2^23 + 128 + q; subtracting that gives q exactly), where I2F would run at a
+    quarter of the FMA rate. Compiled, it is inline PTX on four packed bytes: one XOR, then one PRMT
+    and one FADD per weight. Triton's own lowering of the same ops spent ~3.4 integer instructions
+    per weight and left int8 at 46-66% of the HBM peak (now 57-80%, quant_sweep_b1_h200.md);
   * each tile's products are summed in registers right away, per 16 columns ("channel": the thread's
     own 16-byte vector, adds only) or per 128 ("block": one scale block, plus three shuffles, then times
     scale[row_block[n], kb]), into a small fp32 accumulator. Keeping one fp32 per product instead (the
@@ -29,6 +31,8 @@ CUDA-graph capture. Twin: kernels.torch_ops.quant_linear with act_quant None.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -46,6 +50,7 @@ SHORT_ROWS = (2048, 2, 8, 4)
 LONG_ROWS = (2048, 3, 8, 8)
 SCALE_BLOCK = 128  # the block scheme's square block edge
 MAX_PREFETCH_BYTES = 8192  # a W tile this small is fetched two deep before the PDL wait
+PRMT_INT8 = True  # int8 weights converted four at a time by inline PTX (never under the interpreter)
 WEIGHT_DTYPES = (torch.float8_e4m3fn, torch.int8)
 
 
@@ -73,8 +78,29 @@ def _s_tile(s_ptrs, k0, KB, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_
 
 
 @triton.jit
-def dequant(w, INT8: tl.constexpr):
+def dequant(w, INT8: tl.constexpr, PRMT: tl.constexpr = False):
     """1-byte weights as exact fp32 values (shared with kernels.triton_qgemm)."""
+    if INT8 and PRMT:  # the same trick on 4 packed bytes: one XOR, then a PRMT and an FADD per weight
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 t, m;
+            xor.b32 t, $4, 0x80808080;
+            mov.b32 m, 0x4B000000;
+            prmt.b32 $0, t, m, 0x7440;
+            prmt.b32 $1, t, m, 0x7441;
+            prmt.b32 $2, t, m, 0x7442;
+            prmt.b32 $3, t, m, 0x7443;
+            sub.f32 $0, $0, 0f4B000080;
+            sub.f32 $1, $1, 0f4B000080;
+            sub.f32 $2, $2, 0f4B000080;
+            sub.f32 $3, $3, 0f4B000080;
+            }""",
+            constraints="=r,=r,=r,=r,r",
+            args=[w],
+            dtype=tl.float32,
+            is_pure=True,
+            pack=4,
+        )
     if INT8:  # q + 128 (the sign bit flipped) under the exponent of 2^23, minus 2^23 + 128
         u = (w.to(tl.uint8, bitcast=True) ^ 0x80).to(tl.uint32)
         return (u | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
@@ -83,7 +109,8 @@ def dequant(w, INT8: tl.constexpr):
 
 @triton.jit
 def _tile_sums(w, s, x_ptr, k0, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               BLOCK_SCALES: tl.constexpr, INT8: tl.constexpr, EVEN_K: tl.constexpr):  # fmt: skip
+               BLOCK_SCALES: tl.constexpr, INT8: tl.constexpr, EVEN_K: tl.constexpr,
+               PRMT: tl.constexpr = False):  # fmt: skip
     """The tile's products summed over groups of GROUP columns (16: one thread's 16-byte vector, adds
     within the thread; 128: a scale block, three shuffles more), times the groups' scales."""
     GROUP: tl.constexpr = 128 if BLOCK_SCALES else 16
@@ -92,7 +119,7 @@ def _tile_sums(w, s, x_ptr, k0, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         x = tl.load(x_ptr + cols).to(tl.float32)
     else:
         x = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
-    p = dequant(w, INT8) * x[None, :]
+    p = dequant(w, INT8, PRMT) * x[None, :]
     return tl.sum(tl.reshape(p, (BLOCK_N, BLOCK_K // GROUP, GROUP)), axis=2) * s
 
 
@@ -101,6 +128,7 @@ def _qgemv_kernel(
     x_ptr, w_ptr, s_ptr, rb_ptr, bias_ptr, out_ptr, N, K, KB, stride_wn, stride_s,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_SCALES: tl.constexpr, INT8: tl.constexpr,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, USE_PDL: tl.constexpr,
+    PRMT: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_K)
@@ -117,13 +145,13 @@ def _qgemv_kernel(
         w1 = _w_tile(w_ptrs, cols, BLOCK_K, K, EVEN_K)
         s1 = _s_tile(s_ptrs, BLOCK_K, KB, BLOCK_N, BLOCK_K, BLOCK_SCALES, EVEN_K)
     wait_for_inputs(USE_PDL)
-    acc = _tile_sums(w, s, x_ptr, 0, K, BLOCK_N, BLOCK_K, BLOCK_SCALES, INT8, EVEN_K)
+    acc = _tile_sums(w, s, x_ptr, 0, K, BLOCK_N, BLOCK_K, BLOCK_SCALES, INT8, EVEN_K, PRMT)
     if PREFETCH == 2:
-        acc += _tile_sums(w1, s1, x_ptr, BLOCK_K, K, BLOCK_N, BLOCK_K, BLOCK_SCALES, INT8, EVEN_K)
+        acc += _tile_sums(w1, s1, x_ptr, BLOCK_K, K, BLOCK_N, BLOCK_K, BLOCK_SCALES, INT8, EVEN_K, PRMT)
     for k0 in range(PREFETCH * BLOCK_K, K, BLOCK_K):
         w = _w_tile(w_ptrs, cols, k0, K, EVEN_K)
         s = _s_tile(s_ptrs, k0, KB, BLOCK_N, BLOCK_K, BLOCK_SCALES, EVEN_K)
-        acc += _tile_sums(w, s, x_ptr, k0, K, BLOCK_N, BLOCK_K, BLOCK_SCALES, INT8, EVEN_K)
+        acc += _tile_sums(w, s, x_ptr, k0, K, BLOCK_N, BLOCK_K, BLOCK_SCALES, INT8, EVEN_K, PRMT)
     y = tl.sum(acc, axis=1)
     if not BLOCK_SCALES:
         y *= tl.load(s_ptr + w_rows)
@@ -141,6 +169,11 @@ def qgemv_config(n: int, k: int, sm_count: int) -> tuple[int, int, int, int]:
     while block_n > 1 and triton.cdiv(n, block_n) < MIN_PROGRAMS_PER_SM * sm_count:
         block_n //= 2
     return block_n, block_k, stages, warps
+
+
+def _native() -> bool:
+    """Inline PTX runs only in compiled kernels, never under the Triton interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0") != "1"
 
 
 def check_weights(qweight: torch.Tensor, scale: torch.Tensor, row_block, scheme: str) -> None:
@@ -171,8 +204,11 @@ def qgemv(
     bias: torch.Tensor | None,
     scheme: str,
     out: torch.Tensor | None = None,
+    act_quant: str | None = None,
 ) -> torch.Tensor:
-    """x [1, K] (or [K]) @ deq(qweight) [N, K]^T (+ bias) -> [1, N] (or [N]) in x's dtype; fp32 sums."""
+    """x [1, K] (or [K]) @ deq(qweight) [N, K]^T (+ bias) -> [1, N] (or [N]) in x's dtype; fp32 sums.
+    x stays exact, except that act_quant "int8_token" on int8 channel weights quantises it as the twin
+    does and takes the integer-dot kernel (kernels/triton_qgemv_w8a8.py)."""
     check_weights(qweight, scale, row_block, scheme)
     n, k = qweight.shape
     if x.shape[-1] != k or x.numel() != k or not x.is_contiguous():
@@ -183,6 +219,11 @@ def qgemv(
         out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     if n == 0:
         return out
+    if act_quant == "int8_token":
+        from kernels import triton_qgemv_w8a8
+
+        if triton_qgemv_w8a8.supported(qweight, scheme):
+            return triton_qgemv_w8a8.w8a8_gemv(x, qweight, scale, bias, out)
     block_n, block_k, stages, warps = qgemv_config(n, k, _sm_count(x.device))
     pdl = pdl_enabled(x.device)
     prefetch = 2 if k >= 2 * block_k and block_n * block_k <= MAX_PREFETCH_BYTES else 1
@@ -192,6 +233,6 @@ def qgemv(
         n, k, triton.cdiv(k, SCALE_BLOCK), qweight.stride(0), scale.stride(0),
         BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_SCALES=blocks, INT8=qweight.dtype == torch.int8,
         HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, PREFETCH=prefetch, USE_PDL=pdl,
-        num_warps=warps, num_stages=stages, launch_pdl=pdl,
+        PRMT=PRMT_INT8 and _native(), num_warps=warps, num_stages=stages, launch_pdl=pdl,
     )  # fmt: skip
     return out

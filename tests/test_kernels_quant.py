@@ -35,6 +35,7 @@ pytest.importorskip("triton")
 
 from kernels import triton_qgemm as tq  # noqa: E402
 from kernels import triton_qgemv as tv  # noqa: E402
+from kernels import triton_qgemv_w8a8 as w8  # noqa: E402
 from tests.kernel_helpers import poisoned_empty  # noqa: E402
 
 pytestmark = pytest.mark.kernels
@@ -123,6 +124,24 @@ def test_qgemv_interpreted(wdtype, scheme, shards, k: int, with_bias: bool) -> N
 
 
 @interp
+@pytest.mark.parametrize("shards,k", [(MERGED, 192), ((37,), 4224), ((9,), 12288 + 256), ((21,), 300)])
+@pytest.mark.parametrize("wide", [False, True])
+def test_w8a8_gemv_interpreted(shards, k: int, wide: bool, monkeypatch) -> None:
+    """One row, int8 weights, "int8_token": the DP4A kernel (spelled out in shifts under the interpreter)
+    against the reference that quantises x per token; the 16-row config and the float GEMV's; K = 300 is
+    no multiple of 16, so the float GEMV takes it and the reference keeps x exact."""
+    monkeypatch.setattr(w8, "MAX_WIDE_PROGRAMS_PER_SM", 64 if wide else 0)
+    q, scale, _ = make_weights(shards, k, INT8, "channel", seed=k)
+    x = torch.randn(1, k, generator=_gen(1)) * 3
+    bias = torch.randn(q.shape[0], generator=_gen(2))
+    out = torch.full((1, q.shape[0]), float("nan"))
+    assert tv.qgemv(x, q, scale, None, bias, "channel", out=out, act_quant="int8_token") is out
+    check(out, x, q, scale, None, bias, "int8_token" if w8.supported(q, "channel") else None, ATOL_INTERP)
+    assert w8.supported(q, "channel") == (k % 16 == 0)
+    assert not w8.supported(q.view(torch.uint8).view(FP8), "channel") and not w8.supported(q, "block")
+
+
+@interp
 @pytest.mark.parametrize("wdtype,act", PAIRS, ids=lambda p: str(p).replace("torch.", ""))
 @pytest.mark.parametrize("scheme", ["channel", "block"])
 @pytest.mark.parametrize("m,with_bias", [(1, False), (3, True), (17, False), (64, True)])
@@ -208,6 +227,9 @@ def test_configs_from_shapes() -> None:
         block_n, block_k, _, _ = tv.qgemv_config(n, k, 132)
         assert block_k % 128 == 0 and (block_n == 1 or -(-n // block_n) >= tv.MIN_PROGRAMS_PER_SM * 132)
     assert tv.qgemv_config(4096, 14336, 132)[1] == tv.LONG_ROWS[0]
+    assert w8.w8a8_config(6144, 4096, 132)[0] == w8.WIDE[0]  # 384 programs of 16 rows
+    assert w8.w8a8_config(28672, 4096, 132) == tv.qgemv_config(28672, 4096, 132)  # 1,792: too many
+    assert w8.w8a8_config(4096, 14336, 132) == tv.qgemv_config(4096, 14336, 132)  # long rows
     assert tq.qgemm_config(64, 4096, 14336, 132) == (64, 32, 4, 4, 4)  # down_proj: 128 tiles, K in four
     assert tq.qgemm_config(64, 28672, 4096, 132)[4] == 1  # 224 tiles: partials would be 1/8 of W
     assert tq.qgemm_config(4096, 28672, 4096, 132)[:2] + (tq.qgemm_config(4096, 28672, 4096, 132)[4],) == (
@@ -252,6 +274,9 @@ def test_gpu_shapes_bf16(name: str, wdtype, scheme: str) -> None:
     x = torch.randn(300, k, generator=_gen(2, "cuda"), device="cuda").bfloat16()
     out = tv.qgemv(x[:1], q, scale, row_block, bias, scheme)
     check(out, x[:1], q, scale, row_block, bias, None, 2e-2)
+    if wdtype == INT8:  # "int8_token" at M = 1: the DP4A kernel for "channel", else the float GEMV
+        out = tv.qgemv(x[:1], q, scale, row_block, bias, scheme, act_quant="int8_token")
+        check(out, x[:1], q, scale, row_block, bias, "int8_token" if scheme == "channel" else None, 2e-2)
     for act in [a for w, a in PAIRS if w == wdtype]:
         for m in (3, 64, 300):
             out = tq.qgemm(x[:m], q, scale, row_block, bias, scheme, act)
@@ -285,7 +310,7 @@ def _hopper_build() -> int:
     from tests.hopper_compile import H100_SMEM, HopperStandIn, _compiled, _wide, ptxas_registers
 
     driver.set_active(HopperStandIn())
-    for mod in (tv, tq):
+    for mod in (tv, tq, w8):
         mod._sm_count, mod.pdl_enabled = (lambda _: 132), (lambda _: True)
     for (wdtype, act), scheme in [(p, s) for p in PAIRS for s in ("channel", "block")]:
         for m, n, k in [(1, 6144, 4096), (1, 4096, 14336), *[(m, 6144, 4096) for m in (8, 64, 256)]]:
@@ -294,17 +319,18 @@ def _hopper_build() -> int:
             row_block = torch.zeros(n, dtype=torch.int32) if blocks else None
             w = (torch.zeros(n, k, dtype=wdtype), scale, row_block)
             x = torch.randn(m, k, dtype=torch.bfloat16)
-            if m == 1 and act is None:
-                tv.qgemv(x, *w, None, scheme)
+            if m == 1 and act in (None, "int8_token"):
+                tv.qgemv(x, *w, None, scheme, act_quant=act)
             elif m > 1:
                 tq.qgemm(x, *w, None, scheme, act)
     failures = 0
-    for fn in (tv._qgemv_kernel, tq._qgemm_kernel, tq._act_quant_kernel):
+    gemvs = (tv._qgemv_kernel, w8._w8a8_gemv_kernel)
+    for fn in (*gemvs, tq._qgemm_kernel, tq._act_quant_kernel):
         for kern in _compiled(fn):
             ptx, meta = kern.asm["ptx"], kern.metadata
             regs = ptxas_registers(ptx) or (0, 0)
-            mma = re.search(r"wgmma\.mma_async\S*|mma\.sync\S*", ptx)
-            ok = meta.shared <= H100_SMEM and not regs[1] and (fn is not tv._qgemv_kernel or _wide(ptx))
+            mma = re.search(r"wgmma\.mma_async\S*|mma\.sync\S*|dp4a\S*", ptx)
+            ok = meta.shared <= H100_SMEM and not regs[1] and (fn not in gemvs or _wide(ptx))
             failures += not ok
             print(f"{fn.__name__:<18} warps {meta.num_warps} smem {meta.shared:>6} regs {regs} "
                   f"{mma[0] if mma else '-'} {'ok' if ok else 'FAIL'}")  # fmt: skip
@@ -320,3 +346,4 @@ def test_hopper_build() -> None:
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     for operands in ("f32.e4m3.e4m3", "s32.s8.s8", "f32.bf16.bf16"):
         assert "wgmma.mma_async.sync.aligned.m64n32k" in proc.stdout and operands in proc.stdout, operands
+    assert "_w8a8_gemv_kernel  warps 8 smem" in proc.stdout and "dp4a.s32.s32" in proc.stdout
