@@ -1,14 +1,15 @@
-"""Device time of one batch-1 decode step under variants of the quantised GEMV kernels, in one process.
+"""Device time of one decode step under variants of the quantised linear kernels, in one process.
 
-    python -m benchmarks.quant_step_variants --model llama-3.1-8b --out PREFIX
+    python -m benchmarks.quant_step_variants --model llama-3.1-8b --out PREFIX              # batch-1 GEMVs
+    python -m benchmarks.quant_step_variants --set act --batch 64 --out PREFIX             # act quantisation
 
 A tuning tool beside benchmarks/quant_sweep.py: a kernel variant that wins alone can lose inside a
 step, where each GEMV follows a short kernel instead of another GEMV, so this times the whole step.
 For each format (benchmarks.quant_decode's checkpoints), each variant sets module constants of the
-kernels, builds an engine (which captures its CUDA graphs with them), decodes one greedy request to a
-steady state and times the step on the device alone (benchmarks.decode_profile.device_step_us: graph
+kernels, builds an engine (which captures its CUDA graphs with them), decodes `--batch` greedy requests
+to a steady state and times the step on the device alone (benchmarks.decode_profile.device_step_us: graph
 replay, logits and argmax back to back, best of three medians of 30), then restores the constants.
-bf16 and fp8-block run once each as the baselines of the same process.
+bf16 runs once as the baseline of the same process.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from pathlib import Path
 from benchmarks.common import environment, git_commit, write_report
 from benchmarks.quant_decode import ROOT, checkpoint
 
-# format -> [(label, {"module.CONSTANT": value})]; "w8" is kernels.triton_qgemv_w8a8, "qv" triton_qgemv
-VARIANTS = {
+# format -> [(label, {"module.CONSTANT": value})]; "w8" is kernels.triton_qgemv_w8a8, "qv" triton_qgemv,
+# "qm" triton_qgemm
+GEMV_VARIANTS = {
     "bf16": [("bf16 GEMV", {})],
     "fp8-block": [("fp8 GEMV", {})],
     "int8": [
@@ -31,12 +33,15 @@ VARIANTS = {
         ("weight-only float GEMV, Triton-lowered", {"w8.supported": lambda *a: False, "qv.PRMT_INT8": False}),
     ],
 }
+ACT = [("activations quantised in one pass (default)", {}), ("two chunked passes", {"qm.MAX_ONE_PASS": 0})]
+ACT_VARIANTS = {"bf16": [("bf16 cuBLAS", {})], "fp8-channel": ACT, "fp8-block": ACT}
+SETS = {"gemv": GEMV_VARIANTS, "act": ACT_VARIANTS}
 
 
 def _set(patch: dict) -> dict:
-    from kernels import triton_qgemv, triton_qgemv_w8a8
+    from kernels import triton_qgemm, triton_qgemv, triton_qgemv_w8a8
 
-    mods = {"qv": triton_qgemv, "w8": triton_qgemv_w8a8}
+    mods = {"qv": triton_qgemv, "w8": triton_qgemv_w8a8, "qm": triton_qgemm}
     old = {}
     for key, value in patch.items():
         mod, name = key.split(".")
@@ -45,17 +50,18 @@ def _set(patch: dict) -> dict:
     return old
 
 
-def step_us(path: Path, opts: dict) -> float:
+def step_us(path: Path, opts: dict, batch: int) -> float:
     from benchmarks.decode_profile import _decode_until_steady, device_step_us
     from engine import LLM, SamplingParams
 
-    llm = LLM(str(path), max_num_seqs=8, max_model_len=600, num_blocks=256, enable_prefix_caching=False,
-              **opts)  # fmt: skip
+    llm = LLM(str(path), max_num_seqs=max(8, batch), max_model_len=600, num_blocks=24 * batch + 64,
+              enable_prefix_caching=False, **opts)  # fmt: skip
     engine = llm.engine
     sp = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
-    engine.add_request(list(range(100, 228)), sp)
-    _decode_until_steady(engine, 1)
-    us = min(device_step_us(engine, 1) for _ in range(3))
+    for i in range(batch):
+        engine.add_request(list(range(100 + i, 228 + i)), sp)
+    _decode_until_steady(engine, batch)
+    us = min(device_step_us(engine, batch) for _ in range(3))
     while engine.has_unfinished():
         engine.step()
     return us
@@ -64,23 +70,26 @@ def step_us(path: Path, opts: dict) -> float:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="llama-3.1-8b")
+    ap.add_argument("--set", choices=sorted(SETS), default="gemv", help="which kernel's variants")
+    ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--ckpt-dir", type=Path, default=Path("/tmp/minserve_bench"))
     ap.add_argument("--out", required=True, help="PREFIX for PREFIX.json and PREFIX.md")
     args = ap.parse_args(argv)
     cmd = "python -m benchmarks.quant_step_variants " + " ".join(sys.argv[1:] if argv is None else argv)
     rows = []
-    for fmt, variants in VARIANTS.items():
+    for fmt, variants in SETS[args.set].items():
         path, opts = checkpoint(args.model, fmt, args.ckpt_dir)
         for label, patch in variants:
             old = _set(patch)
             try:
-                rows.append({"format": fmt, "variant": label, "step_us": round(step_us(path, opts), 1)})
+                us = step_us(path, opts, args.batch)
+                rows.append({"format": fmt, "variant": label, "step_us": round(us, 1)})
             finally:
                 _set(old)
             print(rows[-1], flush=True)
     base = rows[0]["step_us"]
     env = environment()
-    lines = [f"# Batch-1 decode step of {args.model} by GEMV variant (device time)\n",
+    lines = [f"# Batch-{args.batch} decode step of {args.model} by kernel variant (device time)\n",
              f"Command: `{cmd}`  ", f"Commit {git_commit(ROOT)}; {env['hardware'].get('gpu')}\n",
              "| format | variant | step µs | speed-up over bf16 |", "|---|---|---|---|"]  # fmt: skip
     for r in rows:

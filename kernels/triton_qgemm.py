@@ -10,8 +10,9 @@ with the scale row of output n at row_block[n]). act_quant picks the operands of
   "fp8_token"     fp8 weights: x -> e4m3 with one scale per row (sx = amax / 448), fp8 dot;
   "fp8_group128"  fp8 weights: one scale per row and 128-column group (DeepSeek-style, for "block").
 sx = max(amax / QMAX, SCALE_MIN) as in the twin, so an all-zero row (CUDA-graph padding) quantises to 0.
-Activations are quantised by one small kernel (_act_quant_kernel: one program per row, a max pass and a
-quantise pass) that writes xq and sx; the GEMM kernel then computes, in fp32,
+Activations are quantised by one small kernel (_act_quant_kernel: one program per row, which loads a row
+of up to MAX_ONE_PASS values once and keeps it in registers, or reads a longer one twice, for amax and
+to quantise) that writes xq and sx; the GEMM kernel then computes, in fp32,
     y[m, n] = sum_kb dot(xq[m, kb], q[n, kb]) * (sx[m, kb] * sw[n, kb])   (+ bias[n])
 where each kb is a 128-wide K tile, so a tile never straddles a scale block. Scales that do not vary with
 kb (per-token sx, per-channel sw) move out of the sum into the epilogue; when neither varies the dot
@@ -53,7 +54,9 @@ ACT_QUANT = {
 CONFIGS = ((16, 16, 64, 4, 5), (64, 64, 128, 4, 4), (1 << 62, 128, 128, 8, 3))
 MIN_BLOCK_N = 32
 GROUP_M = 8
-QUANT_BLOCK = 1024
+QUANT_BLOCK = 1024  # a longer row is read twice in chunks of this many: for amax, then to quantise
+MAX_ONE_PASS = 16384  # a row this long or shorter is loaded once and kept in registers
+ONE_PASS_ELEMS_PER_WARP = 1024  # 32 values a thread, up to 16 warps
 SPLIT_PROGRAMS_PER_SM = 2  # split K until the grid has this many programs per SM, while each split keeps
 MIN_SPLIT_K_TILES = 4  # at least this many 128-wide K tiles and the fp32 partials (split * M * N * 4
 MAX_PARTIAL_SHARE = 8  # bytes) stay under 1/MAX_PARTIAL_SHARE of the weight bytes (N * K)
@@ -79,13 +82,25 @@ def _quantise(v, s, QMAX: tl.constexpr, INT8: tl.constexpr):
 @triton.jit
 def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, stride_s, QMAX: tl.constexpr,
                       SCALE_MIN: tl.constexpr, INT8: tl.constexpr, GROUPED: tl.constexpr, BLOCK: tl.constexpr,
-                      USE_PDL: tl.constexpr):  # fmt: skip
+                      ONE_PASS: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
     """Row `program_id` of x -> q (int8 / e4m3) and its scale(s): per row, or per 128-column group."""
     row = tl.program_id(0).to(tl.int64)
     x_row, q_row, s_row = x_ptr + row * stride_x, q_ptr + row * stride_q, s_ptr + row * stride_s
     cols = tl.arange(0, BLOCK)
     wait_for_inputs(USE_PDL)
-    if GROUPED:  # BLOCK // 128 groups per chunk, each quantised with its own scale
+    if ONE_PASS:  # BLOCK >= K: the whole row in registers, one load
+        x = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
+        if GROUPED:
+            xg = tl.reshape(x, (BLOCK // 128, 128))
+            s = tl.maximum(tl.math.div_rn(tl.max(tl.abs(xg), axis=1), QMAX), SCALE_MIN)
+            tl.store(q_row + cols, tl.reshape(_quantise(xg, s[:, None], QMAX, INT8), (BLOCK,)), mask=cols < K)
+            groups = tl.arange(0, BLOCK // 128)
+            tl.store(s_row + groups, s, mask=groups * 128 < K)
+        else:
+            s = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=0), QMAX), SCALE_MIN)
+            tl.store(q_row + cols, _quantise(x, s, QMAX, INT8), mask=cols < K)
+            tl.store(s_row, s)
+    elif GROUPED:  # BLOCK // 128 groups per chunk, each quantised with its own scale
         for k0 in range(0, K, BLOCK):
             x = tl.load(x_row + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
             x = tl.reshape(x, (BLOCK // 128, 128))
@@ -116,10 +131,14 @@ def quantise_activations(x: torch.Tensor, act_quant: str) -> tuple[torch.Tensor,
     if m == 0:
         return q, s
     pdl = pdl_enabled(x.device)
-    block = min(QUANT_BLOCK, max(SCALE_BLOCK, triton.next_power_of_2(k)))
+    row = max(SCALE_BLOCK, triton.next_power_of_2(k))
+    one_pass = row <= MAX_ONE_PASS
+    block = row if one_pass else QUANT_BLOCK
+    warps = min(16, max(4, block // ONE_PASS_ELEMS_PER_WARP)) if one_pass else 4
     _act_quant_kernel[(m,)](
         x, q, s, k, x.stride(0), q.stride(0), s.stride(0) if code == 2 else 1, QMAX=qmax, SCALE_MIN=SCALE_MIN,
-        INT8=dtype == torch.int8, GROUPED=code == 2, BLOCK=block, USE_PDL=pdl, num_warps=4, launch_pdl=pdl,
+        INT8=dtype == torch.int8, GROUPED=code == 2, BLOCK=block, ONE_PASS=one_pass, USE_PDL=pdl,
+        num_warps=warps, launch_pdl=pdl,
     )  # fmt: skip
     return q, s
 

@@ -190,9 +190,14 @@ def test_qgemm_half_inputs_and_leading_dims(dtype) -> None:
 
 @interp
 @pytest.mark.parametrize("act", ["int8_token", "fp8_token", "fp8_group128"])
-def test_act_quant_is_exact(act: str, monkeypatch) -> None:
-    """Codes and scales equal torch's bit for bit: ties to even, e4m3 carries, subnormals, zero rows."""
+@pytest.mark.parametrize("one_pass", [True, False], ids=["one-pass", "chunked"])
+def test_act_quant_is_exact(act: str, one_pass: bool, monkeypatch) -> None:
+    """Codes and scales equal torch's bit for bit: ties to even, e4m3 carries, subnormals, zero rows;
+    the row held in registers, and read twice in 128-wide chunks."""
     poisoned_empty(monkeypatch)
+    if not one_pass:
+        monkeypatch.setattr(tq, "MAX_ONE_PASS", 0)
+        monkeypatch.setattr(tq, "QUANT_BLOCK", 128)
     qmax = QMAX[act]
     x = torch.randn(6, 300, generator=_gen(7)) * 3
     x[1] = 0.0  # CUDA-graph padding: codes 0, scale SCALE_MIN
