@@ -188,7 +188,7 @@ class _Draws:
         if not self.sampled:
             token = ops.sample(logits, self.temperature, self.keys, self.counters + j)
         else:
-            scaled = self.sampler._filter(logits.float() / self.scale, self.rows)
+            scaled = self.sampler.filter_logits(logits.float() / self.scale, self.rows)
             token = ops.sample(scaled, self.unit, self.keys, self.counters + j)
             self.probs.append(scaled.softmax(-1))
         self.tokens.append(token)

@@ -1,6 +1,6 @@
 """LLMEngine: the synchronous core. add_request / step / abort; no threads, no network.
 
-step():  schedule -> run the model -> postprocess
+step():  schedule -> run the model -> postprocess (engine/token_sink.py)
 
 The offline API (engine/llm.py) drives it in its own process; the server drives it in the engine core
 process (engine/core.py) with detokenize=False and `step_records`, which leave text to the replica.
@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import itertools
-import logging
 import time
 from collections.abc import Callable
 
@@ -35,9 +34,8 @@ from engine.sampler import PendingSample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.speculator import Speculator
+from engine.token_sink import TokenSink
 from engine.tokenizer import Tokenizer
-
-log = logging.getLogger("engine")
 
 
 class LLMEngine:
@@ -67,8 +65,6 @@ class LLMEngine:
         # llguidance's token trie, built in the background before the first structured request needs it
         structured.warm_up(self.tokenizer, self.limits.vocab_size)
         self.requests: dict[str, Request] = {}
-        self._failed: list[Request] = []
-        self._touched: dict[str, Request] = {}  # requests with tokens not yet turned into outputs
         # launched, not yet completed; its draw is a DeferredSample (rows with a grammar or penalties:
         # SchedulerOutput.draw_late) from its launch until the next _step joins it, its mask fill begun
         # by _start_draw at the end of the _step that launched it
@@ -83,6 +79,8 @@ class LLMEngine:
         self.outputs = OutputBuilder(
             self.processor, self.prompt_logprobs, self.requests, self.stats, detokenize
         )  # fmt: skip
+        self.sink = TokenSink(self.scheduler, self.processor, self.outputs, self.prompt_logprobs,
+                              self.requests, self.stats, self.speculator)  # fmt: skip
         # What exists now (model, tokenizer, torch and Triton state) lives as long as the engine. Frozen,
         # it is out of the cyclic collector's reach: otherwise each full collection scans all of it and
         # stalls the step loop (0.25-0.3 s once per workload-(c) run on an H200 host; vLLM does the same).
@@ -138,7 +136,7 @@ class LLMEngine:
         seq = request.seqs[index]
         if not seq.finished:
             self.scheduler.finish(seq, "stop")
-        self._touched[request_id] = request
+        self.sink.touched[request_id] = request
 
     def _abort(self, request_id: str) -> Request | None:
         request = self.requests.get(request_id)
@@ -160,7 +158,7 @@ class LLMEngine:
         A decode step also gets its successor launched behind it (`_launch_next`) before its tokens
         are waited for: the next call runs that one instead of scheduling afresh.
         """
-        return self._step(self._emit, self.outputs.finish_output)
+        return self._step(self.sink.emit, self.outputs.finish_output)
 
     def step_records(self) -> list[Record]:
         """`step` for the engine core: compact per-request records of token ids, no text, no objects.
@@ -168,7 +166,7 @@ class LLMEngine:
         Records are cheap, so they are made right after this step's tokens arrive rather than during
         the next step: a token reaches the caller one step sooner (the device meanwhile runs the step
         launched ahead, when there is one)."""
-        return self._step(self._emit_records, self.outputs.finish_record, emit_first=False)
+        return self._step(self.sink.emit_records, self.outputs.finish_record, emit_first=False)
 
     def _step(
         self, emit: Callable[[], list], finish: Callable[[Request], object], emit_first: bool = True
@@ -187,11 +185,11 @@ class LLMEngine:
         ahead = self._launch_next(nxt, pending)
         if emit_first and outputs is None:
             outputs = emit()
-        self._complete(out, pending)
+        self.sink.complete(out, pending)
         self._ahead = self._start_draw(ahead)
         if not emit_first:
             outputs = emit()
-        failed, self._failed = self._failed, []  # each failed request gets one final output
+        failed = self.sink.take_failed()  # each failed request gets one final output
         return outputs + [finish(r) for r in failed if r.request_id in self.requests]
 
     def _schedule_and_launch(self) -> tuple[SchedulerOutput, PendingSample | None]:
@@ -212,7 +210,7 @@ class LLMEngine:
         if nxt is None:
             return None
         if pending is None:  # the previous step's draw failed: its requests (all of nxt's) have failed
-            self._fail_chunks(nxt, RuntimeError("the previous step's draw failed"))
+            self.sink.fail_chunks(nxt, RuntimeError("the previous step's draw failed"))
             return nxt, None
         return nxt, self._launch(nxt, pending)
 
@@ -223,7 +221,7 @@ class LLMEngine:
         try:
             return pending.finish()
         except Exception as exc:
-            self._fail_chunks(out, exc)
+            self.sink.fail_chunks(out, exc)
             return None
 
     def _start_draw(self, ahead: tuple[SchedulerOutput, object] | None):
@@ -235,7 +233,7 @@ class LLMEngine:
             try:
                 ahead[1].start()
             except Exception as exc:
-                self._fail_chunks(ahead[0], exc)
+                self.sink.fail_chunks(ahead[0], exc)
                 return ahead[0], None
         return ahead
 
@@ -255,99 +253,8 @@ class LLMEngine:
         try:
             return self.runner.execute(out, prev) if out.chunks else None
         except Exception as exc:  # a failed forward fails the requests in it, never the engine
-            self._fail_chunks(out, exc)
+            self.sink.fail_chunks(out, exc)
             return None
-
-    def _complete(self, out: SchedulerOutput, pending: PendingSample | None) -> None:
-        """Wait for the sampled ids (the step's one host sync) and append them: token-level work only."""
-        result = None
-        if pending is not None:
-            try:
-                result = pending.resolve()
-            except Exception as exc:
-                self._fail_chunks(out, exc)
-        if result is not None and result.spec_tokens is not None:
-            self._accept(out, result.spec_tokens)  # before update_computed: it hashes their blocks
-        self.scheduler.update_computed(out)
-        if result is None:
-            return
-        if result.prompt is not None:  # before the samples: the request's next output carries them
-            self.prompt_logprobs.absorb(result.prompt)
-        now = time.time()
-        samplers = [s for c in out.chunks if not c.num_draft for s in c.samples]
-        for seq, token, logprob in zip(samplers, result.token_ids, result.logprobs, strict=True):
-            self._append(seq, token, logprob, now)
-
-    def _append(self, seq, token: int, logprob, now: float) -> bool:
-        """Append one drawn token; False when the sequence is (now) finished or failed."""
-        request = seq.request
-        if seq.finished:
-            return False  # e.g. a stop string ended it while this step was already in flight
-        self._touched[request.request_id] = request
-        if request.metrics.first_token_time is None:
-            request.metrics.first_token_time = request.metrics.engine_token_time = now
-        request.metrics.last_token_time = now
-        try:
-            reason = self.processor.append(seq, token, logprob)
-        except Exception as exc:
-            self._fail(request, f"{type(exc).__name__}: {exc}", exc)
-            return False
-        if reason:
-            self.scheduler.finish(seq, reason)
-        return not reason
-
-    def _accept(self, out: SchedulerOutput, spec_tokens: list[list[int]]) -> None:
-        """Append each speculating chunk's verified tokens (accepted proposals, then the target's own),
-        up to the first that ends its sequence, and count its acceptance."""
-        now = time.time()
-        chunks = [c for c in out.chunks if c.num_draft]
-        for chunk, tokens in zip(chunks, spec_tokens, strict=True):
-            chunk.num_accepted = len(tokens) - 1
-            if chunk.seq.finished:
-                continue
-            self.speculator.record(chunk.seq, chunk.num_draft, chunk.num_accepted)
-            for token in tokens:
-                if not self._append(chunk.seq, token, None, now):
-                    break
-
-    def _emit(self) -> list[RequestOutput]:
-        """Text and RequestOutputs for every request that got tokens in the previous step."""
-        touched, self._touched = self._touched, {}
-        outputs = []
-        for request in touched.values():
-            if request.request_id not in self.requests:
-                continue  # aborted or failed meanwhile; its final output is already out
-            try:
-                for seq in request.seqs:
-                    if self.processor.detokenize(seq):
-                        if seq.finished:
-                            seq.finish_reason = "stop"
-                        else:
-                            self.scheduler.finish(seq, "stop")
-            except Exception as exc:
-                self._fail(request, f"{type(exc).__name__}: {exc}", exc)
-                continue
-            outputs.append(self.outputs.output(request))
-        return outputs
-
-    def _emit_records(self) -> list[Record]:
-        """Records of every live request that got tokens in the previous step (no text work)."""
-        touched, self._touched = self._touched, {}
-        return [self.outputs.record(r) for r in touched.values() if r.request_id in self.requests]
-
-    def _fail_chunks(self, out: SchedulerOutput, exc: Exception) -> None:
-        for request in {id(c.seq.request): c.seq.request for c in out.chunks}.values():
-            self._fail(request, f"model step failed: {exc}", exc)
-
-    def _fail(self, request: Request, message: str, exc: Exception | None = None) -> None:
-        if request.aborted:
-            return  # already failed or aborted: one terminal output only
-        log.error("request %s failed: %s", request.request_id, message, exc_info=exc)
-        self.stats["num_errors"] += 1
-        for seq in request.seqs:
-            seq.error = message
-        self.scheduler.abort(request, "error")
-        self._failed.append(request)
 
     # ------------------------------------------------------------------ introspection
     def audit(self) -> list[str]:

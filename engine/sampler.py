@@ -169,7 +169,7 @@ class Sampler:
         # raw logprobs)
         raw_logprobs = torch.log_softmax(logits.float(), dim=-1) if wants_logprobs else None
         if not all(_no_processor(r.params) for r in rows):
-            logits = self._apply_processors(logits.float(), rows)
+            logits = self.apply_processors(logits.float(), rows)
         if mask is not None:  # after logit_bias and penalties, before the filters and the draw
             ops.apply_token_bitmask(logits, mask.bitmask, mask.rows)
         if all(r.params.greedy for r in rows):
@@ -177,7 +177,7 @@ class Sampler:
         temperature = [r.params.temperature for r in rows]  # 0 for greedy rows: the plain argmax
         if any(_filters(r.params) for r in rows):
             t = self._t("temperature", [x or 1.0 for x in temperature])
-            logits = self._filter(logits.float() / t[:, None], rows)  # filtered tokens are -inf
+            logits = self.filter_logits(logits.float() / t[:, None], rows)  # filtered tokens are -inf
             temperature = [0.0 if x == 0 else 1.0 for x in temperature]  # already divided
         keys_counters = [r.key for r in rows] + [r.counter for r in rows]  # one upload for both
         keys, counters = self._t("streams", keys_counters, torch.long).view(2, len(rows))
@@ -205,7 +205,7 @@ class Sampler:
         return PromptScores(plan.spans, torch.cat(chosen), torch.cat(top_lp), torch.cat(top_ids))
 
     # ------------------------------------------------------------------ logits processors
-    def _apply_processors(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    def apply_processors(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """logit_bias on the raw logits first, then penalties (each only when some row has it)."""
         if any(r.params.logit_bias is not None for r in rows):
             logits = self._apply_bias(logits, rows)
@@ -247,7 +247,7 @@ class Sampler:
         logits = torch.where(seen, penalised, logits)
         return logits - freq * out_counts - pres * (out_counts > 0).float()
 
-    def _filter(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    def filter_logits(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Mask tokens outside top-k, the top-p nucleus or below min_p * max prob with -inf."""
         top_k = [r.params.top_k for r in rows]
         top_p = [r.params.top_p for r in rows]

@@ -131,7 +131,7 @@ class SpecSampler:
         per_pos = self._position_rows(spec) if processors or sampled_rows else None
         raw = logits
         if processors:
-            logits = self.sampler._apply_processors(logits.float(), per_pos)
+            logits = self.sampler.apply_processors(logits.float(), per_pos)
         argmax = ops.argmax(logits)
         sampled = self._verify_sampled(logits, raw, spec, per_pos, sampled_rows) if sampled_rows else None
         return PendingSpec(plain, spec, argmax, sampled, self.synthetic, self.rng)
@@ -157,11 +157,11 @@ class SpecSampler:
             starts.append(starts[-1] + pos + 1)
         k = max(1, max(spec.num_draft[i] for i in sampled_rows))  # verify needs a proposal column
         index = [starts[i] + min(j, spec.num_draft[i]) for i in sampled_rows for j in range(k + 1)]
-        upload = self.sampler._t
+        upload = self.sampler.upload.values
         idx = upload("spec_index", index, torch.long)
         pos_rows = [per_pos[i] for i in index]
-        temps = upload("spec_temperature", [r.params.temperature for r in pos_rows])
-        probs = self.sampler._filter(logits.float().index_select(0, idx) / temps[:, None], pos_rows)
+        temps = upload("spec_temperature", [r.params.temperature for r in pos_rows], torch.float32)
+        probs = self.sampler.filter_logits(logits.float().index_select(0, idx) / temps[:, None], pos_rows)
         probs = probs.softmax(-1).view(len(sampled_rows), k + 1, -1)
         num_draft = upload("spec_num_draft", [spec.num_draft[i] for i in sampled_rows], torch.long)
         q = None
@@ -189,8 +189,8 @@ class SpecSampler:
         idle = [n for n, i in enumerate(sampled_rows) if spec.num_draft[i] == 0]
         if not idle:
             return res.num_accepted, res.tokens, sampled_rows
-        first = self.sampler._t("spec_first", [starts[sampled_rows[n]] for n in idle], torch.long)
+        first = self.sampler.upload.values("spec_first", [starts[sampled_rows[n]] for n in idle], torch.long)
         ids, _ = self.sampler.draw(logits.index_select(0, first), [spec.rows[sampled_rows[n]] for n in idle])
-        at = self.sampler._t("spec_idle", idle, torch.long)
+        at = self.sampler.upload.values("spec_idle", idle, torch.long)
         tokens = res.tokens.index_copy(0, at, torch.cat([ids[:, None], res.tokens[at, 1:]], 1))
         return res.num_accepted.index_fill(0, at, 0), tokens, sampled_rows
