@@ -20,6 +20,7 @@ from pathlib import Path
 
 from benchmarks.common import environment, git_commit, write_report
 from benchmarks.quant_decode import ROOT, checkpoint
+from benchmarks.quant_sweep import patched
 
 # format -> [(label, {"module.CONSTANT": value})]; "w8" is kernels.triton_qgemv_w8a8, "qv" triton_qgemv,
 # "qm" triton_qgemm
@@ -36,18 +37,6 @@ GEMV_VARIANTS = {
 ACT = [("activations quantised in one pass (default)", {}), ("two chunked passes", {"qm.MAX_ONE_PASS": 0})]
 ACT_VARIANTS = {"bf16": [("bf16 cuBLAS", {})], "fp8-channel": ACT, "fp8-block": ACT}
 SETS = {"gemv": GEMV_VARIANTS, "act": ACT_VARIANTS}
-
-
-def _set(patch: dict) -> dict:
-    from kernels import triton_qgemm, triton_qgemv, triton_qgemv_w8a8
-
-    mods = {"qv": triton_qgemv, "w8": triton_qgemv_w8a8, "qm": triton_qgemm}
-    old = {}
-    for key, value in patch.items():
-        mod, name = key.split(".")
-        old[key] = getattr(mods[mod], name)
-        setattr(mods[mod], name, value)
-    return old
 
 
 def step_us(path: Path, opts: dict, batch: int) -> float:
@@ -80,12 +69,12 @@ def main(argv: list[str] | None = None) -> int:
     for fmt, variants in SETS[args.set].items():
         path, opts = checkpoint(args.model, fmt, args.ckpt_dir)
         for label, patch in variants:
-            old = _set(patch)
+            undo = patched(patch)
             try:
                 us = step_us(path, opts, args.batch)
                 rows.append({"format": fmt, "variant": label, "step_us": round(us, 1)})
             finally:
-                _set(old)
+                undo()
             print(rows[-1], flush=True)
     base = rows[0]["step_us"]
     env = environment()
