@@ -88,19 +88,7 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, stride_s, QMAX
     x_row, q_row, s_row = x_ptr + row * stride_x, q_ptr + row * stride_q, s_ptr + row * stride_s
     cols = tl.arange(0, BLOCK)
     wait_for_inputs(USE_PDL)
-    if ONE_PASS:  # BLOCK >= K: the whole row in registers, one load
-        x = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
-        if GROUPED:
-            xg = tl.reshape(x, (BLOCK // 128, 128))
-            s = tl.maximum(tl.math.div_rn(tl.max(tl.abs(xg), axis=1), QMAX), SCALE_MIN)
-            tl.store(q_row + cols, tl.reshape(_quantise(xg, s[:, None], QMAX, INT8), (BLOCK,)), mask=cols < K)
-            groups = tl.arange(0, BLOCK // 128)
-            tl.store(s_row + groups, s, mask=groups * 128 < K)
-        else:
-            s = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=0), QMAX), SCALE_MIN)
-            tl.store(q_row + cols, _quantise(x, s, QMAX, INT8), mask=cols < K)
-            tl.store(s_row, s)
-    elif GROUPED:  # BLOCK // 128 groups per chunk, each quantised with its own scale
+    if GROUPED:  # BLOCK // 128 groups per chunk (one chunk when ONE_PASS), each with its own scale
         for k0 in range(0, K, BLOCK):
             x = tl.load(x_row + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
             x = tl.reshape(x, (BLOCK // 128, 128))
@@ -109,6 +97,11 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, stride_s, QMAX
             tl.store(q_row + k0 + cols, q, mask=k0 + cols < K)
             groups = k0 // 128 + tl.arange(0, BLOCK // 128)
             tl.store(s_row + groups, s, mask=groups * 128 < K)
+    elif ONE_PASS:  # BLOCK >= K: the whole row in registers, one load
+        x = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
+        s = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=0), QMAX), SCALE_MIN)
+        tl.store(q_row + cols, _quantise(x, s, QMAX, INT8), mask=cols < K)
+        tl.store(s_row, s)
     else:
         amax = tl.zeros((BLOCK,), tl.float32)
         for k0 in range(0, K, BLOCK):

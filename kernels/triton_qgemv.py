@@ -16,7 +16,7 @@ The design is kernels/triton_gemv.py's, fed half the bytes per element:
     of 2^23 reads as 2^23 + 128 + q; subtracting that gives q exactly), where I2F would run at a
     quarter of the FMA rate. Compiled, it is inline PTX on four packed bytes: one XOR, then one PRMT
     and one FADD per weight. Triton's own lowering of the same ops spent ~3.4 integer instructions
-    per weight and left int8 at 46-66% of the HBM peak (now 57-80%, quant_sweep_b1_h200.md);
+    per weight and left int8 at 46-66% of the HBM peak (now 56-80%, quant_sweep_b1_h200.md);
   * each tile's products are summed in registers right away, per 16 columns ("channel": the thread's
     own 16-byte vector, adds only) or per 128 ("block": one scale block, plus three shuffles, then times
     scale[row_block[n], kb]), into a small fp32 accumulator. Keeping one fp32 per product instead (the
