@@ -3,9 +3,9 @@
 y[n] = (sum_k q[n, k] * xq[k]) * sx * scale[n] (+ bias[n]), where xq, sx quantise the one row x exactly as
 kernels.torch_ops.quant_linear does for "int8_token" (sx = max(amax|x| / 127, 1e-12), xq = x / sx
 rounded half to even, clamped to +-127), except that x / sx is computed as x * (1 / sx): an IEEE
-division per element would cost more than the rest of the kernel, and the two round to different codes
-only where x / sx lies within an ulp of a half-integer. The integer sum is exact, so otherwise the
-result differs from the twin only in the fp32 epilogue.
+division per element nearly doubled the kernel's instructions (counted in its sm_90 SASS), and the two
+round to different codes only where x / sx lies within an ulp of a half-integer. The integer sum is
+exact, so otherwise the result differs from the twin only in the fp32 epilogue.
 
 Why a kernel of its own: the float GEMV (kernels/triton_qgemv.py) must turn every int8 weight into an
 fp32 value (a PRMT and an FADD each) before its FMA, about three instructions per weight byte. Here four
