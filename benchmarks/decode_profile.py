@@ -100,7 +100,7 @@ def summarise(kernels: list[tuple[str, float, float]], steps: int, step_wall_us:
     }
 
 
-def _decode_until_steady(engine, batch: int) -> None:
+def decode_until_steady(engine, batch: int) -> None:
     """Step until every request has its first token (prefill done) and a few decode steps ran."""
     seen: set[str] = set()
     extra = 0
@@ -163,7 +163,7 @@ def profile(
     sp = SamplingParams(max_tokens=2 * steps + 64, temperature=0.0, ignore_eos=True)
     for p in random_prompts(random.Random(0), batch, prompt, vocab):
         engine.add_request(p, sp)
-    _decode_until_steady(engine, batch)
+    decode_until_steady(engine, batch)
     walls = _timed_steps(engine, steps)
     torch.cuda.synchronize()
     device_us = device_step_us(engine, batch)

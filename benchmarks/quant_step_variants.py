@@ -40,7 +40,7 @@ SETS = {"gemv": GEMV_VARIANTS, "act": ACT_VARIANTS}
 
 
 def step_us(path: Path, opts: dict, batch: int) -> float:
-    from benchmarks.decode_profile import _decode_until_steady, device_step_us
+    from benchmarks.decode_profile import decode_until_steady, device_step_us
     from engine import LLM, SamplingParams
 
     llm = LLM(str(path), max_num_seqs=max(8, batch), max_model_len=600, num_blocks=24 * batch + 64,
@@ -49,7 +49,7 @@ def step_us(path: Path, opts: dict, batch: int) -> float:
     sp = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
     for i in range(batch):
         engine.add_request(list(range(100 + i, 228 + i)), sp)
-    _decode_until_steady(engine, batch)
+    decode_until_steady(engine, batch)
     us = min(device_step_us(engine, batch) for _ in range(3))
     while engine.has_unfinished():
         engine.step()

@@ -32,6 +32,7 @@ CUDA-graph capture. Twin: kernels.torch_ops.quant_linear with act_quant None.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -171,8 +172,10 @@ def qgemv_config(n: int, k: int, sm_count: int) -> tuple[int, int, int, int]:
     return block_n, block_k, stages, warps
 
 
+@functools.lru_cache(maxsize=1)
 def _native() -> bool:
-    """Inline PTX runs only in compiled kernels, never under the Triton interpreter."""
+    """Inline PTX runs only in compiled kernels, never under the Triton interpreter (whose flag Triton
+    fixes when the kernels are defined, so it is read once)."""
     return os.environ.get("TRITON_INTERPRET", "0") != "1"
 
 
