@@ -15,10 +15,18 @@ Matchers being filled must not be advanced before the join (the engine joins bef
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+
+# The loop's thread runs Python almost without pause, so it holds the GIL; a thread waiting for the GIL
+# gets it when the holder blocks or after the switch interval (5 ms by default), longer than a whole
+# step: the worker would start the fill only at the join and overlap nothing. While a fill is pending the
+# interval is this short, so the worker takes the GIL within tens of microseconds to enter llguidance
+# (which then drops it) and again to hand back its result.
+HANDOFF_SWITCH_INTERVAL_S = 5e-5
 
 
 class GrammarError(RuntimeError):
@@ -99,29 +107,51 @@ class BitmaskFiller:
         """Begin filling; the returned join waits for the fill, uploads, and gives the device bitmask.
         One row is filled at once (a thread hand-off would cost more than it hides)."""
         host, turn = self._buffer(len(states)), self._turn
-        if background and len(states) > 1:
-            if self._worker is None:
-                self._worker = ThreadPoolExecutor(1, thread_name_prefix="minserve-bitmask")
-            future = self._worker.submit(self._fill_host, states, host)
-            return lambda: self._upload(future.result(), turn)
-        self._fill_host(states, host)
-        return lambda: self._upload(host, turn)
+        if not (background and len(states) > 1):
+            self._fill_host(states, host)
+            return lambda: self._upload(host, turn)
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="minserve-bitmask")
+        rows = self._rows(states)  # built here: the worker runs as little Python as possible
+        previous = sys.getswitchinterval()
+        sys.setswitchinterval(min(previous, HANDOFF_SWITCH_INTERVAL_S))
+        try:
+            future = self._worker.submit(self._fill_rows, rows, host)
+        except BaseException:
+            sys.setswitchinterval(previous)
+            raise
+
+        def join() -> torch.Tensor:
+            try:
+                future.result()
+            finally:
+                sys.setswitchinterval(previous)
+            return self._upload(host, turn)
+
+        return join
 
     def _fill_host(self, states: list[GrammarState], host: torch.Tensor) -> torch.Tensor:
         """llguidance writes each row's words at its pointer. Its own llguidance.torch wrappers are
         not used: importing that module runs torch.compile's set-up (about a second), which would
         stall the step loop on the first constrained request."""
-        import llguidance
-
-        row_bytes = host.shape[1] * host.element_size()
         if len(states) == 1:
-            states[0].matcher.unsafe_compute_mask_ptr(host.data_ptr(), row_bytes)
+            states[0].matcher.unsafe_compute_mask_ptr(host.data_ptr(), host.shape[1] * host.element_size())
         else:
-            if self._executor is None:
-                self._executor = llguidance.LLExecutor()
-            rows = [(s.matcher, i) for i, s in enumerate(states)]
-            self._executor.unsafe_compute_mask_ptr(rows, host.data_ptr(), row_bytes, len(states))
+            self._fill_rows(self._rows(states), host)
         return host
+
+    def _rows(self, states: list[GrammarState]) -> list[tuple[object, int]]:
+        if self._executor is None:
+            import llguidance
+
+            self._executor = llguidance.LLExecutor()
+        return [(s.matcher, i) for i, s in enumerate(states)]
+
+    def _fill_rows(self, rows: list[tuple[object, int]], host: torch.Tensor) -> None:
+        """All rows in one call on llguidance's pool, which drops the GIL while it works."""
+        self._executor.unsafe_compute_mask_ptr(
+            rows, host.data_ptr(), host.shape[1] * host.element_size(), len(rows)
+        )
 
     def _upload(self, host: torch.Tensor, turn: int) -> torch.Tensor:
         if self.device.type != "cuda":

@@ -116,3 +116,20 @@ def test_structured_bench_smoke(tmp_path):
     assert data["ttft"]["constrained_cached"]["ms_median"] > 0
     assert data["ttft"]["constrained_cached_served"]["ms_median"] > 0
     assert "| 4 | all |" in (out / "structured_bench.md").read_text()
+
+
+def test_step_phases_smoke(tmp_path):
+    """benchmarks/step_phases.py on the tiny model (CPU): the mask's phases appear only when rows are
+    constrained, and every engine step is counted once."""
+    from benchmarks.step_phases import main
+
+    out = tmp_path / "out"
+    args = ["--model", "tiny", "--modes", "none,all", "--runs", "1", "--gen", "6", "--batch", "4"]
+    main(args + ["--out", str(out), "--ckpt-dir", str(tmp_path)])
+    data = json.loads((out / "step_phases.json").read_text())
+    none, constrained = data["modes"]
+    assert none["phases"]["LLMEngine._step"]["calls_per_step"] == 1.0
+    assert "BitmaskFiller._upload" not in none["phases"] and "GrammarState.advance" not in none["phases"]
+    assert constrained["phases"]["GrammarState.advance"]["calls_per_step"] > 1  # one per constrained row
+    assert constrained["phases"]["BitmaskFiller._upload"]["us_per_step"] > 0
+    assert "| BitmaskFiller._upload |" in (out / "step_phases.md").read_text()

@@ -243,7 +243,7 @@ def test_unconstrained_steps_never_touch_the_mask(tiny_model_dir, monkeypatch):
         raise AssertionError("the mask code ran for an unconstrained step")
 
     monkeypatch.setattr(ops, "apply_token_bitmask", boom)
-    monkeypatch.setattr(BitmaskFiller, "fill", boom)
+    monkeypatch.setattr(BitmaskFiller, "start", boom)
     eng = make_engine(tiny_model_dir)
     reqs = [
         (PROMPT, SamplingParams(max_tokens=12, temperature=t, seed=1, logprobs=lp))

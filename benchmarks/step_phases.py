@@ -1,0 +1,156 @@
+"""Host time per engine step, split by phase: where a host-bound step spends its microseconds.
+
+    python -m benchmarks.step_phases --model llama-3.2-1b --tokenizer /tmp/gtoks/bpe128k \
+        --modes none,all,none,all --runs 6 --out DIR
+
+Each phase of `LLMEngine._step` (scheduling ahead, the deferred draw's join, the launch of the next
+step, the token append, the mask fill's start, the emit) and a few costs inside them (the fill on its
+worker thread, the upload, the matchers' advance, waits on the fill) is wrapped with a wall-clock
+timer, then `runs` batches of greedy requests run through `engine.step()` per mode (none, half or all
+rows constrained, as in benchmarks/structured_bench). Per mode: mean microseconds per step of each
+phase, calls per step, step-time percentiles and decode tok/s. The first run of each mode is a
+warm-up. The timers cost about half a microsecond a call, so per-row phases (advance) read high.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.common import environment, git_commit, random_prompts, write_report
+from benchmarks.structured_bench import checkpoint, decode_run, ensure_llguidance, params
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT = 128
+
+
+def phases() -> list[tuple[object, str]]:
+    from engine import grammar_state, llm_engine, sampler, scheduler, token_sink
+
+    eng, sink = llm_engine.LLMEngine, token_sink.TokenSink
+    return [
+        (eng, "_step"), (scheduler.Scheduler, "schedule_ahead"), (eng, "_finish_draw"),
+        (eng, "_launch_next"), (sink, "complete"), (eng, "_start_draw"), (sink, "emit"),
+        (grammar_state.BitmaskFiller, "_fill_rows"), (grammar_state.BitmaskFiller, "_upload"),
+        (grammar_state.GrammarState, "advance"), (sampler.Sampler, "draw"),
+        (sampler.PendingSample, "resolve"),
+    ]  # fmt: skip
+
+
+class PhaseTimer:
+    """Wraps methods with accumulating wall-clock timers (and keeps every `_step` duration)."""
+
+    def __init__(self):
+        self.seconds: collections.Counter = collections.Counter()
+        self.calls: collections.Counter = collections.Counter()
+        self.steps: list[float] = []
+
+    def wrap(self, cls, name: str) -> None:
+        inner, label = getattr(cls, name), f"{cls.__name__}.{name}"
+
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                dt = time.perf_counter() - t
+                self.seconds[label] += dt
+                self.calls[label] += 1
+                if name == "_step":
+                    self.steps.append(dt)
+
+        setattr(cls, name, timed)
+
+    def reset(self) -> None:
+        self.seconds.clear(), self.calls.clear(), self.steps.clear()
+
+    def summary(self) -> dict:
+        steps = self.calls["LLMEngine._step"]
+        q = sorted(self.steps)
+        pct = {f"p{p}": 1e6 * q[round(p / 100 * (len(q) - 1))] for p in (10, 50, 90, 99)}
+        per_step = {
+            k: {"us_per_step": 1e6 * v / steps, "calls_per_step": self.calls[k] / steps}
+            for k, v in sorted(self.seconds.items(), key=lambda kv: -kv[1])
+        }
+        return {"steps": steps, "step_us": pct, "phases": per_step}
+
+
+def markdown(report: dict) -> str:
+    modes = report["modes"]
+    names = list(dict.fromkeys(k for m in modes for k in m["phases"]))
+    head = "| phase | " + " | ".join(f"{m['mode']} ({i + 1})" for i, m in enumerate(modes)) + " |"
+    lines = [
+        "# Host time per step, by phase",
+        "",
+        f"git `{report['git']}`; command: `{report['command']}`",
+        f"hardware: {report['environment']['hardware'].get('gpu')}; "
+        f"versions: {report['environment'].get('versions')}",
+        "",
+        "Microseconds per engine step (mean over the timed runs); calls per step in brackets.",
+        "",
+        head,
+        "|---" * (len(modes) + 1) + "|",
+        "| decode tok/s (median) | " + " | ".join(f"{m['tok_s']:,.0f}" for m in modes) + " |",
+    ]
+    for p in ("p10", "p50", "p90"):
+        lines.append(f"| step {p} | " + " | ".join(f"{m['step_us'][p]:,.0f}" for m in modes) + " |")
+    for n in names:
+        cells = [m["phases"].get(n) for m in modes]
+        row = [f"{c['us_per_step']:,.1f} ({c['calls_per_step']:.2f})" if c else "" for c in cells]
+        lines.append(f"| {n} | " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="llama-3.2-1b")
+    ap.add_argument("--tokenizer", type=Path, default=None, help="a tokenizer dir of the model's vocab size")
+    ap.add_argument("--ckpt-dir", type=Path, default=Path("/tmp/minserve_bench"))
+    ap.add_argument("--modes", default="none,all", help="comma list of none, half, all (repeats allowed)")
+    ap.add_argument("--constraint", default="json-free")
+    ap.add_argument("--runs", type=int, default=6)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--gen", type=int, default=256)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args(argv)
+    ensure_llguidance()
+    import torch
+
+    from engine import LLM
+
+    opts = {"max_num_seqs": args.batch, "max_model_len": PROMPT + args.gen + 16}
+    if not torch.cuda.is_available():
+        opts.update(dtype="float32", device="cpu")
+    path = checkpoint(args.model, args.ckpt_dir, args.tokenizer) if "/" not in args.model else args.model
+    llm = LLM(str(path), **opts)
+    timer, rng = PhaseTimer(), random.Random(0)
+    for cls, name in phases():
+        timer.wrap(cls, name)
+    vocab, modes = llm.engine.runner.model_config.vocab_size, []
+    for mode in args.modes.split(","):
+        runs = []
+        for i in range(args.runs + 1):
+            if i == 1:
+                timer.reset()
+            sps = params(mode, args.constraint, args.batch, args.gen)
+            runs.append(decode_run(llm.engine, random_prompts(rng, args.batch, PROMPT, vocab), sps, args.gen))
+        row = {"mode": mode, "tok_s": statistics.median(runs[1:]), "runs": runs[1:], **timer.summary()}
+        modes.append(row)
+        print(f"{mode}: {row['tok_s']:,.0f} tok/s, step p50 {row['step_us']['p50']:,.0f} us", flush=True)
+    report = {
+        "command": "python -m benchmarks.step_phases " + " ".join(sys.argv[1:] if argv is None else argv),
+        "git": git_commit(ROOT),
+        "environment": environment(),
+        "model": args.model,
+        "modes": modes,
+    }
+    write_report(args.out / "step_phases", report, markdown(report))
+
+
+if __name__ == "__main__":
+    main()
