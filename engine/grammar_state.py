@@ -16,8 +16,8 @@ Matchers being filled must not be advanced before the join (the engine joins bef
 from __future__ import annotations
 
 import sys
+import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -27,6 +27,10 @@ import torch
 # interval is this short, so the worker takes the GIL within tens of microseconds to enter llguidance
 # (which then drops it) and again to hand back its result.
 HANDOFF_SWITCH_INTERVAL_S = 5e-5
+# llguidance's pool threads for a fill. The matchers of one cached grammar are copies that share its
+# lexer behind one lock, so more threads mostly contend for it: 64 rows took 0.71-0.80 ms serially,
+# 0.66-0.73 ms on 2 threads and 0.93-0.95 ms on 12 (llguidance's default on 16 cores) on the GPU host.
+FILL_THREADS = 2
 
 
 class GrammarError(RuntimeError):
@@ -84,7 +88,7 @@ class BitmaskFiller:
         self._stream = torch.cuda.current_stream(device) if self._pin else None
         self._turn = 0
         self._executor = None  # llguidance's own thread pool (fills rows in parallel)
-        self._worker: ThreadPoolExecutor | None = None  # runs a fill behind the caller's back
+        self._worker: _FillWorker | None = None  # runs a fill behind the caller's back
 
     def _buffer(self, rows: int) -> torch.Tensor:
         self._turn = (self._turn + 1) % self.BUFFERS
@@ -111,19 +115,15 @@ class BitmaskFiller:
             self._fill_host(states, host)
             return lambda: self._upload(host, turn)
         if self._worker is None:
-            self._worker = ThreadPoolExecutor(1, thread_name_prefix="minserve-bitmask")
+            self._worker = _FillWorker()
         rows = self._rows(states)  # built here: the worker runs as little Python as possible
         previous = sys.getswitchinterval()
         sys.setswitchinterval(min(previous, HANDOFF_SWITCH_INTERVAL_S))
-        try:
-            future = self._worker.submit(self._fill_rows, rows, host)
-        except BaseException:
-            sys.setswitchinterval(previous)
-            raise
+        self._worker.submit(lambda: self._fill_rows(rows, host))
 
         def join() -> torch.Tensor:
             try:
-                future.result()
+                self._worker.join()
             finally:
                 sys.setswitchinterval(previous)
             return self._upload(host, turn)
@@ -144,7 +144,7 @@ class BitmaskFiller:
         if self._executor is None:
             import llguidance
 
-            self._executor = llguidance.LLExecutor()
+            self._executor = llguidance.LLExecutor(FILL_THREADS)
         return [(s.matcher, i) for i, s in enumerate(states)]
 
     def _fill_rows(self, rows: list[tuple[object, int]], host: torch.Tensor) -> None:
@@ -161,3 +161,38 @@ class BitmaskFiller:
         event.record(self._stream)
         self._buffers[turn] = (self._buffers[turn][0], event)
         return out
+
+
+class _FillWorker:
+    """One daemon thread running one job at a time. It waits on locks, which hold no GIL, and runs a
+    few bytecodes of Python around each job, so the loop's thread loses the GIL only briefly
+    (a ThreadPoolExecutor's futures and queue cost tens of microseconds of it per job)."""
+
+    def __init__(self):
+        self._go, self._done = threading.Lock(), threading.Lock()
+        self._go.acquire()
+        self._done.acquire()
+        self._job: Callable[[], None] | None = None
+        self._error: BaseException | None = None
+        threading.Thread(target=self._run, name="minserve-bitmask", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            self._go.acquire()
+            try:
+                self._job()
+            except BaseException as exc:  # handed to the joining caller
+                self._error = exc
+            self._done.release()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        """Start `job`; the previous one must have been joined."""
+        self._job = job
+        self._go.release()
+
+    def join(self) -> None:
+        """Wait for the job; re-raise its exception."""
+        self._done.acquire()
+        error, self._error, self._job = self._error, None, None
+        if error is not None:
+            raise error

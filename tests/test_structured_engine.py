@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 
 import pytest
 import torch
 
 from benchmarks.structured_cases import CHOICES, GRAMMARS, REGEXES, SCHEMAS
-from engine import admission
+from engine import admission, grammar_state
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.grammar_state import BitmaskFiller, GrammarState
@@ -355,3 +356,37 @@ def test_on_the_gpu_with_graphs_and_async_scheduling(tiny_model_dir):
     del eng
     check_outputs(cases, got[: len(cases)])
     assert got == run(gpu_engine(async_scheduling=False), reqs)
+
+
+def test_a_background_fill_shortens_the_switch_interval_until_its_join(engine):
+    """The step loop runs pure Python, so the fill's worker gets the GIL only when the interpreter
+    forces a switch: with the default 5 ms interval that is at the join, and the fill overlaps
+    nothing (benchmarks/step_phases measures the effect). While a fill is pending the interval is short;
+    the join restores the caller's."""
+    proto = compiler_for(engine.tokenizer, engine.limits.vocab_size).prototype(so("regex", "[a-z]{8}"))
+    states = [GrammarState.start(proto) for _ in range(4)]
+    filler = BitmaskFiller(engine.limits.vocab_size, torch.device("cpu"))
+    before = sys.getswitchinterval()
+    join = filler.start(states)
+    assert sys.getswitchinterval() <= grammar_state.HANDOFF_SWITCH_INTERVAL_S < before
+    bitmask = join()
+    assert sys.getswitchinterval() == before
+    assert torch.equal(bitmask, filler.fill(states))  # the same rows as a fill on the caller's thread
+
+
+def test_a_failed_background_fill_raises_at_its_join_and_the_next_fill_works(engine, monkeypatch):
+    proto = compiler_for(engine.tokenizer, engine.limits.vocab_size).prototype(so("regex", "[a-z]{8}"))
+    states = [GrammarState.start(proto) for _ in range(3)]
+    filler = BitmaskFiller(engine.limits.vocab_size, torch.device("cpu"))
+    expected = filler.fill(states)  # foreground, for reference
+    fill_rows = BitmaskFiller._fill_rows
+
+    def broken(self, rows, host):
+        raise RuntimeError("matcher exploded")
+
+    monkeypatch.setattr(BitmaskFiller, "_fill_rows", broken)
+    join = filler.start(states)
+    with pytest.raises(RuntimeError, match="matcher exploded"):
+        join()
+    monkeypatch.setattr(BitmaskFiller, "_fill_rows", fill_rows)
+    assert torch.equal(filler.start(states)(), expected)
