@@ -23,13 +23,14 @@ from benchmarks.quant_decode import ROOT, checkpoint
 from benchmarks.quant_sweep import patched
 
 # format -> [(label, {"module.CONSTANT": value})]; "w8" is kernels.triton_qgemv_w8a8, "qv" triton_qgemv,
-# "qm" triton_qgemm
+# "qm" triton_qgemm, "QuantLinear" the class engine.models.quant_linear.QuantLinear
 GEMV_VARIANTS = {
     "bf16": [("bf16 GEMV", {})],
     "fp8-block": [("fp8 GEMV", {})],
     "int8": [
         ("W8A8 DP4A GEMV (default)", {}),
         ("W8A8 DP4A GEMV, float-GEMV tiles", {"w8.MAX_WIDE_PROGRAMS_PER_SM": 0}),
+        ("W8A8 DP4A GEMV, down_proj finds amax itself", {"QuantLinear.takes_act_amax": False}),
         ("weight-only float GEMV, PRMT", {"w8.supported": lambda *a: False}),
         ("weight-only float GEMV, Triton-lowered", {"w8.supported": lambda *a: False, "qv.PRMT_INT8": False}),
     ],
@@ -63,12 +64,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--ckpt-dir", type=Path, default=Path("/tmp/minserve_bench"))
     ap.add_argument("--out", required=True, help="PREFIX for PREFIX.json and PREFIX.md")
+    ap.add_argument("--only", default="", help="comma list: run the variants whose label contains one")
     args = ap.parse_args(argv)
+    only = [w for w in args.only.split(",") if w]
     cmd = "python -m benchmarks.quant_step_variants " + " ".join(sys.argv[1:] if argv is None else argv)
     rows = []
-    for fmt, variants in SETS[args.set].items():
-        path, opts = checkpoint(args.model, fmt, args.ckpt_dir)
-        for label, patch in variants:
+    for i, (fmt, variants) in enumerate(SETS[args.set].items()):
+        chosen = [v for v in variants if i == 0 or not only or any(w in v[0] for w in only)]  # bf16 first
+        path, opts = checkpoint(args.model, fmt, args.ckpt_dir) if chosen else (None, None)
+        for label, patch in chosen:
             undo = patched(patch)
             try:
                 us = step_us(path, opts, args.batch)

@@ -67,10 +67,11 @@ GEMM = [
 
 
 def patched(patches: dict):
-    """Set module constants for one variant; returns the undo."""
+    """Set module constants (or class attributes) for one variant; returns the undo."""
+    from engine.models.quant_linear import QuantLinear
     from kernels import triton_qgemm, triton_qgemv, triton_qgemv_w8a8
 
-    mods = {"qv": triton_qgemv, "qm": triton_qgemm, "w8": triton_qgemv_w8a8}
+    mods = {"qv": triton_qgemv, "qm": triton_qgemm, "w8": triton_qgemv_w8a8, "QuantLinear": QuantLinear}
     old = {}
     for key, value in patches.items():
         mod, name = key.split(".")

@@ -66,9 +66,12 @@ def quant_linear(
     bias: torch.Tensor | None,
     scheme: str,
     act_quant: str | None,
+    act_amax: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [..., K] (model dtype) @ dequantised W^T (+ bias) -> [..., N] in x.dtype; the storage is
-    documented in engine/models/quant_linear.py, the arithmetic in torch_ops.quant_linear.
+    documented in engine/models/quant_linear.py, the arithmetic in torch_ops.quant_linear. act_amax:
+    partial maxima of |x| from x's producer (gated_and_mul_amax), which the single-row DP4A kernel reads
+    instead of a pass over x; the other paths find amax themselves (the same value).
 
     On CUDA a single row (batch-1 decode) goes to triton_qgemv. With int8 per-channel weights and
     "int8_token" it quantises the row and sums in integers (DP4A), which is cheaper than turning every
@@ -83,7 +86,9 @@ def quant_linear(
     if rows == 1:
         from kernels import triton_qgemv
 
-        y = triton_qgemv.qgemv(x2d, qweight, scale, row_block, bias, scheme, act_quant=act_quant)
+        y = triton_qgemv.qgemv(
+            x2d, qweight, scale, row_block, bias, scheme, act_quant=act_quant, act_amax=act_amax
+        )
     else:
         from kernels import triton_qgemm
 
@@ -121,6 +126,16 @@ def silu_and_mul(x):
 
         return triton_act.silu_and_mul(x)
     return torch_ops.silu_and_mul(x)
+
+
+def gated_and_mul_amax(x: torch.Tensor, gelu_tanh: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The gated activation (silu, or gelu_tanh) and, on the Triton path, partial maxima of its |output|
+    per row for a consumer that quantises per token (quant_linear's act_amax); elsewhere None."""
+    if use_triton(x):
+        from kernels import triton_act
+
+        return triton_act.gated_and_mul_amax(x, gelu_tanh)
+    return (torch_ops.gelu_tanh_and_mul(x) if gelu_tanh else torch_ops.silu_and_mul(x)), None
 
 
 def gelu_tanh_and_mul(x):

@@ -2,6 +2,10 @@
 
 Grid: (row, column block). Math in fp32, one rounding to the output dtype. `tanh` is also used by
 the attention kernels for logit soft-capping, so it lives here.
+
+`gated_and_mul_amax` also writes, per row and column block, the largest |output| (as rounded): the
+partial maxima from which a consumer that quantises the row per token (the W8A8 GEMV of down_proj)
+takes amax without a pass of its own over the row.
 """
 
 from __future__ import annotations
@@ -36,8 +40,8 @@ def gated(gate, up, GELU_TANH: tl.constexpr):
 
 @triton.jit
 def _gated_kernel(
-    x_ptr, out_ptr, stride_x, stride_out, inter,
-    GELU_TANH: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+    x_ptr, out_ptr, amax_ptr, stride_x, stride_out, inter,
+    GELU_TANH: tl.constexpr, BLOCK: tl.constexpr, AMAX: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     wait_for_inputs(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -45,11 +49,15 @@ def _gated_kernel(
     mask = cols < inter
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     up = tl.load(x_ptr + row * stride_x + inter + cols, mask=mask, other=0.0)
-    out = gated(gate, up, GELU_TANH)
-    tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+    out = gated(gate, up, GELU_TANH).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_out + cols, out, mask=mask)
+    if AMAX:  # masked columns hold act(0) * 0 = 0, which never raises the maximum
+        tl.store(amax_ptr + row * tl.num_programs(1) + tl.program_id(1), tl.max(tl.abs(out.to(tl.float32))))
 
 
-def _launch(x: torch.Tensor, gelu_tanh: bool, out: torch.Tensor | None) -> torch.Tensor:
+def _launch(
+    x: torch.Tensor, gelu_tanh: bool, out: torch.Tensor | None, amax: torch.Tensor | None = None
+) -> torch.Tensor:
     if x.shape[-1] % 2:
         raise ValueError(f"gated activation: last dim {x.shape[-1]} must be even ([gate | up])")
     inter = x.shape[-1] // 2
@@ -67,10 +75,23 @@ def _launch(x: torch.Tensor, gelu_tanh: bool, out: torch.Tensor | None) -> torch
     grid = (x2.shape[0], triton.cdiv(inter, BLOCK))
     pdl = pdl_enabled(x.device)
     _gated_kernel[grid](
-        x2, out2, x2.stride(0), out2.stride(0), inter,
-        GELU_TANH=gelu_tanh, BLOCK=BLOCK, USE_PDL=pdl, num_warps=4, launch_pdl=pdl,
+        x2, out2, amax if amax is not None else out2, x2.stride(0), out2.stride(0), inter,
+        GELU_TANH=gelu_tanh, BLOCK=BLOCK, AMAX=amax is not None, USE_PDL=pdl, num_warps=4, launch_pdl=pdl,
     )  # fmt: skip
     return out
+
+
+def amax_blocks(inter: int) -> int:
+    """How many partial maxima gated_and_mul_amax writes per row."""
+    return triton.cdiv(inter, BLOCK)
+
+
+def gated_and_mul_amax(x: torch.Tensor, gelu_tanh: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated activation of x [T, 2I] and, per row, amax_blocks(I) partial maxima of |output|
+    (float32 [T, amax_blocks(I)]): their maximum is the row's amax."""
+    rows = x.numel() // x.shape[-1]
+    amax = torch.empty(rows, amax_blocks(x.shape[-1] // 2), dtype=torch.float32, device=x.device)
+    return _launch(x, gelu_tanh, None, amax), amax
 
 
 def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -208,10 +208,12 @@ def qgemv(
     scheme: str,
     out: torch.Tensor | None = None,
     act_quant: str | None = None,
+    act_amax: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [1, K] (or [K]) @ deq(qweight) [N, K]^T (+ bias) -> [1, N] (or [N]) in x's dtype; fp32 sums.
     x stays exact, except that act_quant "int8_token" on int8 channel weights quantises it as the twin
-    does and takes the integer-dot kernel (kernels/triton_qgemv_w8a8.py)."""
+    does and takes the integer-dot kernel (kernels/triton_qgemv_w8a8.py), which reads x's amax from
+    act_amax (partial maxima from x's producer) when given."""
     check_weights(qweight, scale, row_block, scheme)
     n, k = qweight.shape
     if x.shape[-1] != k or x.numel() != k or not x.is_contiguous():
@@ -226,7 +228,7 @@ def qgemv(
         from kernels import triton_qgemv_w8a8
 
         if triton_qgemv_w8a8.supported(qweight, scheme):
-            return triton_qgemv_w8a8.w8a8_gemv(x, qweight, scale, bias, out)
+            return triton_qgemv_w8a8.w8a8_gemv(x, qweight, scale, bias, out, act_amax)
     block_n, block_k, stages, warps = qgemv_config(n, k, _sm_count(x.device))
     pdl = pdl_enabled(x.device)
     prefetch = 2 if k >= 2 * block_k and block_n * block_k <= MAX_PREFETCH_BYTES else 1

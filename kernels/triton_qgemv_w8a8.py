@@ -16,10 +16,12 @@ K tile for all BLOCK_N rows.
 Layout: grid (cdiv(N, BLOCK_N),); program t owns rows [t*BLOCK_N, (t+1)*BLOCK_N). It reads each weight
 row as int32 words (4 weights each, K a multiple of 16), [BLOCK_N, BLOCK_K // 4] words per tile in
 16-byte evict-first loads. The first tile loads before the PDL wait; then one pass over x (from L2)
-finds amax while it arrives, and the main loop quantises each x tile, packs it four codes to
-a word and accumulates per-word DP4A sums in an int32 [BLOCK_N, BLOCK_K // 4] tile, reduced once at the
-end. Tile configs: w8a8_config. Under the Triton interpreter, DP4A is spelled out in shifts and
-multiplies (inline PTX runs only compiled).
+finds amax while it arrives, or amax is the maximum of partial maxima of |x| that x's producer wrote
+(kernels/triton_act.gated_and_mul_amax, for down_proj, whose pass over 14,336 values adds 28 KB of
+reads to every program and sits between the wait and the first dot). The main loop quantises each x
+tile, packs it four codes to a word and accumulates per-word DP4A sums in an int32
+[BLOCK_N, BLOCK_K // 4] tile, reduced once at the end. Tile configs: w8a8_config. Under the Triton
+interpreter, DP4A is spelled out in shifts and multiplies (inline PTX runs only compiled).
 """
 
 from __future__ import annotations
@@ -91,9 +93,9 @@ def _w_words(w_ptrs, k0, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
 
 @triton.jit
 def _w8a8_gemv_kernel(
-    x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, N, K, stride_wn,
+    x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, amax_ptr, N, K, stride_wn, n_partials,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-    USE_PDL: tl.constexpr, NATIVE: tl.constexpr,
+    PARTIALS: tl.constexpr, USE_PDL: tl.constexpr, NATIVE: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     w_rows = tl.minimum(rows, N - 1).to(tl.int64)  # the last tile re-reads row N - 1; the store masks
@@ -101,9 +103,13 @@ def _w8a8_gemv_kernel(
     w_ptrs = w_ptr.to(tl.pointer_type(tl.int32)) + w_rows[:, None] * (stride_wn // 4) + words[None, :]
     w = _w_words(w_ptrs, 0, K, BLOCK_K, EVEN_K)  # weights are never written in a step
     wait_for_inputs(USE_PDL)
-    amax = tl.zeros((BLOCK_K,), tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        amax = tl.maximum(amax, tl.abs(_x_tile(x_ptr, k0, K, BLOCK_K, EVEN_K)))
+    if PARTIALS > 0:  # the producer's partial maxima of |x| (PARTIALS: their count, a power of two)
+        p = tl.arange(0, PARTIALS)
+        amax = tl.load(amax_ptr + p, mask=p < n_partials, other=0.0)
+    else:
+        amax = tl.zeros((BLOCK_K,), tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            amax = tl.maximum(amax, tl.abs(_x_tile(x_ptr, k0, K, BLOCK_K, EVEN_K)))
     sx = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), QMAX), SCALE_MIN)
     inv_sx = tl.math.div_rn(1.0, sx)
     xq = _packed_codes(x_ptr, 0, K, inv_sx, BLOCK_N, BLOCK_K, EVEN_K)
@@ -129,16 +135,27 @@ def w8a8_config(n: int, k: int, sm_count: int) -> tuple[int, int, int, int]:
 
 
 def w8a8_gemv(
-    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    act_amax: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [1, K] (one contiguous row) @ (qweight [N, K] int8 * scale [N])^T (+ bias) -> out [.., N], x
-    quantised per token; the caller (kernels.triton_qgemv.qgemv) has checked the shapes."""
+    quantised per token; the caller (kernels.triton_qgemv.qgemv) has checked the shapes. act_amax:
+    float32 partial maxima of |x| (their maximum is x's amax) from x's producer, or None."""
     n, k = qweight.shape
     block_n, block_k, stages, warps = w8a8_config(n, k, _sm_count(x.device))
     pdl = pdl_enabled(x.device)
+    partials = 0 if act_amax is None else act_amax.numel()
+    if act_amax is not None and (act_amax.dtype != torch.float32 or not act_amax.is_contiguous()):
+        raise ValueError("w8a8_gemv: act_amax must be a contiguous float32 tensor of partial maxima")
     _w8a8_gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, qweight, scale, bias if bias is not None else out, out, n, k, qweight.stride(0),
+        x, qweight, scale, bias if bias is not None else out, out, act_amax if partials else scale,
+        n, k, qweight.stride(0), partials,
         BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0,
-        USE_PDL=pdl, NATIVE=_native(), num_warps=warps, num_stages=stages, launch_pdl=pdl,
+        PARTIALS=triton.next_power_of_2(partials) if partials else 0, USE_PDL=pdl, NATIVE=_native(),
+        num_warps=warps, num_stages=stages, launch_pdl=pdl,
     )  # fmt: skip
     return out

@@ -33,6 +33,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from kernels import ops  # noqa: E402
 from kernels import triton_qgemm as tq  # noqa: E402
 from kernels import triton_qgemv as tv  # noqa: E402
 from kernels import triton_qgemv_w8a8 as w8  # noqa: E402
@@ -139,6 +140,40 @@ def test_w8a8_gemv_interpreted(shards, k: int, wide: bool, monkeypatch) -> None:
     check(out, x, q, scale, None, bias, "int8_token" if w8.supported(q, "channel") else None, ATOL_INTERP)
     assert w8.supported(q, "channel") == (k % 16 == 0)
     assert not w8.supported(q.view(torch.uint8).view(FP8), "channel") and not w8.supported(q, "block")
+
+
+@interp
+@pytest.mark.parametrize("gelu", [False, True])
+@pytest.mark.parametrize("inter", [1500, 4096])
+def test_gated_activation_writes_partial_maxima_interpreted(gelu: bool, inter: int) -> None:
+    """gated_and_mul_amax: the same activation as the plain kernel, and per row partial maxima whose
+    maximum is exactly amax |output| (as rounded to the output dtype), masked tail block included."""
+    from kernels import triton_act
+
+    x = (torch.randn(3, 2 * inter, generator=_gen(3)) * 2).to(torch.bfloat16)
+    act, partials = triton_act.gated_and_mul_amax(x, gelu)
+    plain = triton_act.gelu_tanh_and_mul(x) if gelu else triton_act.silu_and_mul(x)
+    assert torch.equal(act, plain)
+    assert partials.shape == (3, triton_act.amax_blocks(inter)) and partials.dtype == torch.float32
+    assert torch.equal(partials.amax(dim=1), act.float().abs().amax(dim=1))
+
+
+@interp
+def test_w8a8_gemv_reads_the_producers_amax_interpreted() -> None:
+    """With act_amax the DP4A kernel takes amax from the partial maxima: the producer's true maxima
+    give the very output of its own pass over x; doubled ones give another (so they are read)."""
+    from kernels import triton_act
+
+    k = 4224
+    q, scale, _ = make_weights((37,), k, INT8, "channel", seed=5)
+    h = (torch.randn(1, 2 * k, generator=_gen(4)) * 3).to(torch.bfloat16)
+    x, partials = triton_act.gated_and_mul_amax(h, False)
+    own = tv.qgemv(x, q, scale, None, None, "channel", act_quant="int8_token")
+    given = tv.qgemv(x, q, scale, None, None, "channel", act_quant="int8_token", act_amax=partials)
+    doubled = tv.qgemv(x, q, scale, None, None, "channel", act_quant="int8_token", act_amax=partials * 2)
+    assert torch.equal(given, own)
+    assert not torch.equal(doubled, own)
+    check(given.float(), x.float(), q, scale, None, None, "int8_token", 2e-2)
 
 
 @interp
@@ -352,3 +387,30 @@ def test_hopper_build() -> None:
     for operands in ("f32.e4m3.e4m3", "s32.s8.s8", "f32.bf16.bf16"):
         assert "wgmma.mma_async.sync.aligned.m64n32k" in proc.stdout and operands in proc.stdout, operands
     assert "_w8a8_gemv_kernel  warps 8 smem" in proc.stdout and "dp4a.s32.s32" in proc.stdout
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
+def test_gpu_gated_mlp_hands_amax_to_an_int8_down_proj(act: str, monkeypatch) -> None:
+    """Batch 1, an int8 W8A8 down_proj: GatedMLP has the activation kernel write partial maxima and the
+    DP4A GEMV read them (checked by spying on qgemv), with bitwise the output of the unfused path."""
+    from engine.models.layers import GatedMLP
+    from engine.models.quant_linear import LinearQuant, QuantLinear
+
+    hidden, inter = 1024, 4096
+    mlp = GatedMLP(hidden, inter, act).cuda().bfloat16()
+    torch.nn.init.normal_(mlp.gate_up_proj.weight, std=0.05)
+    down = QuantLinear(inter, hidden, False, LinearQuant(INT8, "channel", "int8_token")).cuda()
+    q, scale, _ = make_weights((hidden,), inter, INT8, "channel", seed=9, device="cuda")
+    down.qweight.data, down.scale.data = q, scale
+    mlp.down_proj = down
+    assert down.takes_act_amax
+    seen = []
+    qgemv = tv.qgemv
+    monkeypatch.setattr(tv, "qgemv", lambda *a, **k: seen.append(k.get("act_amax")) or qgemv(*a, **k))
+    x = torch.randn(1, hidden, device="cuda").bfloat16()
+    fused = mlp(x)
+    unfused = down(getattr(ops, mlp.act_name)(mlp.gate_up_proj(x)))
+    assert seen[0] is not None and seen[1] is None
+    assert torch.equal(fused, unfused)

@@ -240,7 +240,13 @@ class GatedMLP(nn.Module):
         self.act_name = _GATED_ACTIVATIONS[activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(getattr(ops, self.act_name)(self.gate_up_proj(x)))
+        h = self.gate_up_proj(x)
+        if getattr(self.down_proj, "takes_act_amax", False) and h.numel() == h.shape[-1]:
+            # one row (batch-1 decode) into an int8 W8A8 down_proj: the activation kernel also writes
+            # the partial maxima of its output, so the GEMV skips its own pass over the 14k-wide row
+            act, amax = ops.gated_and_mul_amax(h, self.act_name == "gelu_tanh_and_mul")
+            return self.down_proj(act, act_amax=amax)
+        return self.down_proj(getattr(ops, self.act_name)(h))
 
 
 class DecoderLayer(nn.Module):

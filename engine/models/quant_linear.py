@@ -77,8 +77,17 @@ class QuantLinear(nn.Module):
         shard = shard or 0
         return sum(tiles[:shard]), tiles[shard]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.quant_linear(x, self.qweight, self.scale, self.row_block, self.bias, self.scheme, self.act_quant)
+    def forward(self, x: torch.Tensor, act_amax: torch.Tensor | None = None) -> torch.Tensor:
+        """act_amax: partial maxima of |x| from x's producer (see kernels.ops.quant_linear), or None."""
+        return ops.quant_linear(
+            x, self.qweight, self.scale, self.row_block, self.bias, self.scheme, self.act_quant, act_amax
+        )
+
+    @property
+    def takes_act_amax(self) -> bool:
+        """Whether a single row's GEMV reads amax from its producer (int8 weights, per-token int8
+        activations: the DP4A kernel), so a producer that can should write it."""
+        return self.act_quant == "int8_token" and self.qweight.dtype == torch.int8 and self.scheme == "channel"
 
     def extra_repr(self) -> str:
         return (
