@@ -208,12 +208,12 @@ class CoreClient:
     def _outputs(self, records: list) -> list[RequestOutput]:
         now = time.time()
         outputs, stops = [], []
-        for rid, samples, finished, cached, times, prompt_logprobs in records:
+        for rid, samples, finished, cached, final_metrics, prompt_logprobs in records:
             live = self._live.get(rid)
             if live is None:
                 continue  # aborted by the caller, or already ended here (stop string, failure)
             try:
-                out = live.absorb(samples, finished, cached, times, now, self._fault, prompt_logprobs)
+                out = live.absorb(samples, finished, cached, final_metrics, now, self._fault, prompt_logprobs)
             except Exception as exc:  # a failure in this request's text work fails it alone
                 log.error("request %s failed: %s", rid, exc)
                 out = live.fail(f"{type(exc).__name__}: {exc}", now)

@@ -42,18 +42,21 @@ class LiveRequest:
         samples: list,
         finished: bool,
         cached: int,
-        times: tuple | None,
+        final_metrics: tuple | None,
         now: float,
         fault: Check | None,
         prompt_logprobs: list[TokenLogprob | None] | None = None,
     ) -> RequestOutput:
-        """One core record -> the RequestOutput of this step (text deltas, finish reasons). `times`, on
-        the final record only: when the core first scheduled the request and sampled its first token.
-        `prompt_logprobs`, on the one record that carries them: passed on as they are."""
+        """One core record -> the RequestOutput of this step (text deltas, finish reasons).
+        `final_metrics`, on the final record only: when the core first scheduled the request and sampled
+        its first token, and its speculative proposals and accepted proposals. `prompt_logprobs`, on the
+        one record that carries them: passed on as they are."""
         self.cached_tokens = cached or self.cached_tokens
-        if times is not None:
+        if final_metrics is not None:
             m = self.metrics
-            m.first_scheduled_time, m.engine_token_time, m.spec_draft_tokens, m.spec_accepted_tokens = times
+            m.first_scheduled_time, m.engine_token_time, m.spec_draft_tokens, m.spec_accepted_tokens = (
+                final_metrics
+            )
         if fault is not None:  # fault injection (tests only)
             fault("detokenize", self)
         deltas = [d for d in (self._delta(*s) for s in samples) if d is not None]

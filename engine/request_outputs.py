@@ -65,12 +65,17 @@ class OutputBuilder:
 
     def _record(self, request: Request) -> Record:
         samples, m = list(self._take_samples(request)), request.metrics
-        times = None
+        final_metrics = None
         if request.finished:
-            times = (m.first_scheduled_time, m.first_token_time, m.spec_draft_tokens, m.spec_accepted_tokens)
+            final_metrics = (
+                m.first_scheduled_time,
+                m.first_token_time,
+                m.spec_draft_tokens,
+                m.spec_accepted_tokens,
+            )
         # the prompt logprobs once, on the first record after the prompt was scored
         prompt_lps = self._prompt_ready.pop(request, None) if self._prompt_ready else None
-        return request.request_id, samples, request.finished, request.cached_tokens, times, prompt_lps
+        return request.request_id, samples, request.finished, request.cached_tokens, final_metrics, prompt_lps
 
     # ------------------------------------------------------------------ shared
     def _retire(self, request: Request) -> None:
