@@ -14,8 +14,9 @@ from typing import Any, NamedTuple
 # final metrics (on the final record only, None otherwise: the replica needs them only when the
 # request ends): first scheduled time, first token time, speculative proposals, accepted proposals;
 # and the prompt logprobs (a list of TokenLogprob or None, see RequestOutput.prompt_logprobs) on the
-# one record that carries them, None on every other (a None costs one byte per record). A sample: (index, token ids, masks, logprobs or None, finish reason
-# or None, error or None, whether the last token is a stop token / EOS).
+# one record that carries them, None on every other (a None costs one byte per record). A sample:
+# (index, token ids, masks, logprobs or None, finish reason or None, error or None, whether the last
+# token is a stop token / EOS).
 Record = tuple[str, list[tuple], bool, int, tuple | None, list | None]
 
 
