@@ -141,6 +141,7 @@ class BitmaskFiller:
         return host
 
     def _rows(self, states: list[GrammarState]) -> list[tuple[object, int]]:
+        """The (matcher, row) pairs of one llguidance call; makes llguidance's pool on first use."""
         if self._executor is None:
             import llguidance
 

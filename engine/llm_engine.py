@@ -136,7 +136,7 @@ class LLMEngine:
         seq = request.seqs[index]
         if not seq.finished:
             self.scheduler.finish(seq, "stop")
-        self.sink.touched[request_id] = request
+        self.sink.touch(request)
 
     def _abort(self, request_id: str) -> Request | None:
         request = self.requests.get(request_id)

@@ -54,12 +54,16 @@ class TokenSink:
         for seq, token, logprob in zip(samplers, result.token_ids, result.logprobs, strict=True):
             self.append(seq, token, logprob, now)
 
+    def touch(self, request: Request) -> None:
+        """The request has news for its next output (tokens, or an end decided outside a step)."""
+        self.touched[request.request_id] = request
+
     def append(self, seq, token: int, logprob, now: float) -> bool:
         """Append one drawn token; False when the sequence is (now) finished or failed."""
         request = seq.request
         if seq.finished:
             return False  # e.g. a stop string ended it while this step was already in flight
-        self.touched[request.request_id] = request
+        self.touch(request)
         if request.metrics.first_token_time is None:
             request.metrics.first_token_time = request.metrics.engine_token_time = now
         request.metrics.last_token_time = now
