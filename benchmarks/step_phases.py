@@ -31,12 +31,15 @@ PROMPT = 128
 
 def phases() -> list[tuple[object, str]]:
     from engine import grammar_state, llm_engine, sampler, scheduler, token_sink
+    from kernels import ops
 
     eng, sink = llm_engine.LLMEngine, token_sink.TokenSink
     return [
         (eng, "_step"), (scheduler.Scheduler, "schedule_ahead"), (eng, "_finish_draw"),
-        (eng, "_launch_next"), (sink, "complete"), (eng, "_start_draw"), (sink, "emit"),
-        (grammar_state.BitmaskFiller, "_fill_rows"), (grammar_state.BitmaskFiller, "_upload"),
+        (eng, "_launch_next"), (sink, "receive"), (sink, "complete"), (eng, "_start_draw"), (sink, "emit"),
+        (ops, "apply_token_bitmask"), (ops, "argmax"),
+        (grammar_state.BitmaskFiller, "_fill_rows"), (grammar_state.BitmaskFiller, "_run"),
+        (grammar_state.BitmaskFiller, "_plan"), (grammar_state.BitmaskFiller, "_upload"),
         (grammar_state.GrammarState, "advance"), (sampler.Sampler, "draw"),
         (sampler.PendingSample, "resolve"),
     ]  # fmt: skip
@@ -51,7 +54,7 @@ class PhaseTimer:
         self.steps: list[float] = []
 
     def wrap(self, cls, name: str) -> None:
-        inner, label = getattr(cls, name), f"{cls.__name__}.{name}"
+        inner, label = getattr(cls, name), f"{cls.__name__.rpartition('.')[2]}.{name}"
 
         def timed(*args, **kwargs):
             t = time.perf_counter()
@@ -116,9 +119,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--runs", type=int, default=6)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--gen", type=int, default=256)
+    ap.add_argument("--fill-threads", type=int, default=None, help="override grammar_state.FILL_THREADS")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
     ensure_llguidance()
+    if args.fill_threads is not None:
+        from engine import grammar_state
+
+        grammar_state.FILL_THREADS = args.fill_threads  # read when the filler's pool is made
     import torch
 
     from engine import LLM

@@ -1,16 +1,22 @@
 """Per-sequence grammar state and the per-step token bitmask of every constrained row.
 
-GrammarState wraps one llguidance matcher. Invariant: the matcher has consumed exactly the sequence's
-sampled output tokens, in order (`num_consumed` of them), so after preemption (recompute keeps the
-tokens) or a prefix-cache hit nothing needs replaying. `fork` copies the state for an n > 1 sibling,
+GrammarState wraps one llguidance matcher. A sampled token is `push`ed (a list append on the loop's
+thread); the matcher consumes it at the start of the sequence's next mask fill, so the consume runs in
+llguidance without the GIL, beside the loop. Invariant: the matcher's consumed tokens followed by
+`pending` are exactly the sequence's sampled output tokens, so after preemption (recompute keeps the
+tokens) or a prefix-cache hit nothing needs replaying. A completed grammar is not looked for on the
+host: its mask then admits only the EOS ids, and the sampled EOS ends the sample with "stop" (as in
+vLLM; max_tokens reached first ends it with "length"). `fork` copies the state for an n > 1 sibling,
 `rollback(n)` undoes the last n tokens (for speculative decoding).
 
 BitmaskFiller fills one int32 row per constrained sampling row (bit t of the row allows token t) into
-pinned host memory, all rows in one llguidance call that runs on its thread pool without the GIL, and
-uploads it asynchronously. It runs after the step's forward pass was enqueued, so on a GPU the host
-work overlaps the forward. `start` runs the fill of several rows on a worker thread: the caller's
-Python work (emitting records, scheduling the next step) goes on meanwhile, and `join` uploads.
-Matchers being filled must not be advanced before the join (the engine joins before it appends).
+pinned host memory, after its matchers have consumed their pending tokens, both as llguidance calls
+that run on its thread pool without the GIL, and uploads it asynchronously. It runs after the step's
+forward pass was enqueued, so on a GPU the host work overlaps the forward. `start` runs the consume and
+fill of several rows on a worker thread: the caller's Python work (emitting records, scheduling the
+next step) goes on meanwhile, and `join` uploads. Nothing else touches the matchers of a pending fill
+before its join: the engine's appends read only a state's `error`, and a fork happens only at a
+prompt's last chunk, of a sequence that has sampled nothing yet.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import sys
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,9 +34,11 @@ import torch
 # interval is this short, so the worker takes the GIL within tens of microseconds to enter llguidance
 # (which then drops it) and again to hand back its result.
 HANDOFF_SWITCH_INTERVAL_S = 5e-5
-# llguidance's pool threads for a fill. The matchers of one cached grammar are copies that share its
-# lexer behind one lock, so more threads mostly contend for it: 64 rows took 0.71-0.80 ms serially,
-# 0.66-0.73 ms on 2 threads and 0.93-0.95 ms on 12 (llguidance's default on 16 cores) on the GPU host.
+# llguidance's pool threads for a consume and fill. The deep copies of one compiled matcher share its
+# lexer behind one lock: 64 copies of one grammar filled in 0.71-0.80 ms serially, 0.66-0.73 ms on 2
+# threads and 0.93-0.95 ms on 12, against 0.47 ms on 4 threads for independently compiled matchers (GPU
+# host). So each cached constraint keeps this many independently compiled prototypes
+# (structured.GrammarCompiler.prototype's replicas), which its sequences copy in turn.
 FILL_THREADS = 2
 
 
@@ -38,38 +47,97 @@ class GrammarError(RuntimeError):
 
 
 class GrammarState:
-    __slots__ = ("matcher", "num_consumed")
+    __slots__ = ("matcher", "num_consumed", "pending", "error")
 
-    def __init__(self, matcher, num_consumed: int = 0):
+    def __init__(self, matcher, num_consumed: int = 0, pending: list[int] | None = None):
         self.matcher = matcher  # an llguidance.LLMatcher owned by this sequence alone
-        self.num_consumed = num_consumed
+        self.num_consumed = num_consumed  # tokens the matcher has consumed
+        self.pending = pending if pending is not None else []  # sampled, not consumed yet
+        self.error: str | None = None  # the matcher refused a pushed token (set by the filler)
 
     @classmethod
     def start(cls, prototype) -> GrammarState:
         """A fresh state from a compiled prototype (engine/structured.GrammarCompiler.prototype)."""
         return cls(prototype.deep_copy())
 
-    def advance(self, token: int) -> bool:
-        """Consume one sampled token; True when the grammar is complete (only EOS could follow)."""
-        if not self.matcher.consume_token(token):
-            raise GrammarError(f"the grammar refused token {token}: {self.matcher.get_error()}")
-        self.num_consumed += 1
+    @property
+    def num_tokens(self) -> int:
+        """Sampled tokens this state has taken: consumed and pending."""
+        return self.num_consumed + len(self.pending)
+
+    def push(self, token: int) -> None:
+        """Take one sampled token; the matcher consumes it before its next mask. A refusal is found
+        then and kept in `error` (the engine fails the request; its mask meanwhile allows only EOS)."""
+        self.pending.append(token)
+
+    def catch_up(self, keep: int = 0) -> None:
+        """Consume all pending tokens but the last `keep` on the caller's thread (a refusal is
+        recorded in `error`, raised by `check` or `sync`)."""
+        for token in self.pending[: len(self.pending) - keep]:
+            self.consumed(token, self.matcher.consume_token(token))
+        del self.pending[: len(self.pending) - keep]
+
+    def check(self) -> None:
+        """Raise GrammarError if the matcher refused a consumed token."""
+        if self.error is not None:
+            raise GrammarError(self.error)
+
+    def sync(self) -> bool:
+        """Consume the pending tokens now; True when the grammar is complete (only EOS could follow)."""
+        self.catch_up()
+        self.check()
         return self.matcher.is_stopped()
+
+    def consumed(self, token: int, ok: bool) -> None:
+        """Record the matcher's verdict on one consumed token."""
+        self.num_consumed += 1
+        if not ok:
+            self.refused(token)
+
+    def refused(self, token: int) -> None:
+        if self.error is None:  # the first refusal is the one to report
+            self.error = f"the grammar refused token {token}: {self.matcher.get_error()}"
+
+    def advance(self, token: int) -> bool:
+        """push, then sync: consume one token now; True when the grammar is complete."""
+        self.push(token)
+        return self.sync()
 
     @property
     def finished(self) -> bool:
-        return self.matcher.is_stopped()
+        """The grammar is complete (pending tokens are consumed first)."""
+        return self.sync()
 
     def rollback(self, n: int) -> None:
-        """Undo the last n consumed tokens (n <= num_consumed)."""
-        if not 0 <= n <= self.num_consumed:
-            raise ValueError(f"cannot roll back {n} of {self.num_consumed} tokens")
+        """Undo the last n sampled tokens (n <= num_tokens), pending ones first."""
+        if not 0 <= n <= self.num_tokens:
+            raise ValueError(f"cannot roll back {n} of {self.num_tokens} tokens")
+        dropped = min(n, len(self.pending))
+        del self.pending[len(self.pending) - dropped :]
+        n -= dropped
         if n and not self.matcher.rollback(n):
             raise GrammarError(f"rollback of {n} tokens failed: {self.matcher.get_error()}")
         self.num_consumed -= n
 
     def fork(self) -> GrammarState:
-        return GrammarState(self.matcher.deep_copy(), self.num_consumed)
+        return GrammarState(self.matcher.deep_copy(), self.num_consumed, list(self.pending))
+
+
+@dataclass(slots=True)
+class _Plan:
+    """One fill: the rows to fill, the tokens to consume first, and llguidance's verdicts on them."""
+
+    rows: list[tuple[object, int]]  # (matcher, bitmask row) of every state
+    consuming: list[GrammarState] = field(default_factory=list)  # the states handed a token
+    tokens: list[tuple[object, int]] = field(default_factory=list)  # (matcher, token) of each of those
+    verdicts: list[bool] | None = None  # per token: consumed (False: refused), set by the fill
+
+    def settle(self) -> None:
+        """Record refusals in their states (after the fill, on the caller's thread)."""
+        if self.verdicts is not None and not all(self.verdicts):
+            for state, (_, token), ok in zip(self.consuming, self.tokens, self.verdicts, strict=True):
+                if not ok:
+                    state.refused(token)
 
 
 class BitmaskFiller:
@@ -81,7 +149,9 @@ class BitmaskFiller:
         self.words = (vocab_size + 31) // 32
         self.device = device
         self._pin = device.type == "cuda"
-        self._buffers: list[tuple[torch.Tensor, torch.cuda.Event | None] | None] = [None] * self.BUFFERS
+        # per turn: the pinned host rows, their device copy (reused: the copy and the kernels that read
+        # it are ordered on one stream), and whether an upload from the host rows may be in flight
+        self._buffers: list[_Buffers | None] = [None] * self.BUFFERS
         # one event per buffer, recorded again at each upload; the engine enqueues on the device's
         # default stream, so it is looked up once (both cost tens of microseconds per step otherwise)
         self._events = [torch.cuda.Event() for _ in range(self.BUFFERS)] if self._pin else None
@@ -93,75 +163,95 @@ class BitmaskFiller:
     def _buffer(self, rows: int) -> torch.Tensor:
         self._turn = (self._turn + 1) % self.BUFFERS
         entry = self._buffers[self._turn]
-        if entry is None or entry[0].shape[0] < rows:
-            size = max(rows, 2 * entry[0].shape[0] if entry else 8)
-            buf = torch.empty(size, self.words, dtype=torch.int32, pin_memory=self._pin)
-            self._buffers[self._turn] = (buf, None)
-            return buf[:rows]
-        buf, event = entry
-        if event is not None:
-            event.synchronize()  # its last upload has left (normally long ago)
-        return buf[:rows]
+        if entry is None or entry.host.shape[0] < rows:
+            size = max(rows, 2 * entry.host.shape[0] if entry else 8)
+            host = torch.empty(size, self.words, dtype=torch.int32, pin_memory=self._pin)
+            device = torch.empty_like(host, device=self.device) if self._pin else None
+            self._buffers[self._turn] = _Buffers(host, device)
+            return host[:rows]
+        if entry.in_flight:
+            self._events[self._turn].synchronize()  # its last upload has left (normally long ago)
+        return entry.host[:rows]
 
     def fill(self, states: list[GrammarState]) -> torch.Tensor:
         """The bitmask [len(states), words] on the device (int32, bit t of word t // 32 allows t)."""
         return self.start(states, background=False)()
 
     def start(self, states: list[GrammarState], background: bool = True) -> Callable[[], torch.Tensor]:
-        """Begin filling; the returned join waits for the fill, uploads, and gives the device bitmask.
-        One row is filled at once (a thread hand-off would cost more than it hides)."""
+        """Begin consuming the states' pending tokens and filling; the returned join waits for both,
+        uploads, and gives the device bitmask. One row is done at once (a thread hand-off would cost
+        more than it hides)."""
         host, turn = self._buffer(len(states)), self._turn
+        plan = self._plan(states)  # built here: the worker runs as little Python as possible
         if not (background and len(states) > 1):
-            self._fill_host(states, host)
+            self._run(plan, host)
+            plan.settle()
             return lambda: self._upload(host, turn)
         if self._worker is None:
             self._worker = _FillWorker()
-        rows = self._rows(states)  # built here: the worker runs as little Python as possible
-        previous = sys.getswitchinterval()
-        sys.setswitchinterval(min(previous, HANDOFF_SWITCH_INTERVAL_S))
-        self._worker.submit(lambda: self._fill_rows(rows, host))
+        self._worker.submit(lambda: self._run(plan, host))
 
         def join() -> torch.Tensor:
-            try:
-                self._worker.join()
-            finally:
-                sys.setswitchinterval(previous)
+            self._worker.join()
+            plan.settle()
             return self._upload(host, turn)
 
         return join
 
-    def _fill_host(self, states: list[GrammarState], host: torch.Tensor) -> torch.Tensor:
-        """llguidance writes each row's words at its pointer. Its own llguidance.torch wrappers are
-        not used: importing that module runs torch.compile's set-up (about a second), which would
-        stall the step loop on the first constrained request."""
-        if len(states) == 1:
-            states[0].matcher.unsafe_compute_mask_ptr(host.data_ptr(), host.shape[1] * host.element_size())
-        else:
-            self._fill_rows(self._rows(states), host)
-        return host
+    def _plan(self, states: list[GrammarState]) -> _Plan:
+        """The (matcher, row) pairs to fill, and the (matcher, token) pairs to consume first: each state's
+        pending token, handed over here. In the engine a state has at most one pending token at a fill
+        (each of its samples is followed by one); any earlier ones are consumed now."""
+        plan = _Plan([(s.matcher, i) for i, s in enumerate(states)])
+        for state in states:
+            if state.pending:
+                if len(state.pending) > 1:
+                    state.catch_up(keep=1)
+                plan.consuming.append(state)
+                plan.tokens.append((state.matcher, state.pending.pop()))
+                state.num_consumed += 1
+        return plan
 
-    def _rows(self, states: list[GrammarState]) -> list[tuple[object, int]]:
-        """The (matcher, row) pairs of one llguidance call; makes llguidance's pool on first use."""
+    def _pool(self):
+        """llguidance's thread pool for consumes and fills, made on first use."""
         if self._executor is None:
             import llguidance
 
             self._executor = llguidance.LLExecutor(FILL_THREADS)
-        return [(s.matcher, i) for i, s in enumerate(states)]
+        return self._executor
 
-    def _fill_rows(self, rows: list[tuple[object, int]], host: torch.Tensor) -> None:
-        """All rows in one call on llguidance's pool, which drops the GIL while it works."""
-        self._executor.unsafe_compute_mask_ptr(
-            rows, host.data_ptr(), host.shape[1] * host.element_size(), len(rows)
-        )
+    def _run(self, plan: _Plan, host: torch.Tensor) -> None:
+        """Consume, then fill: each one llguidance call that drops the GIL while it works. llguidance
+        writes each row's words at its pointer (its llguidance.torch wrappers are not used: importing
+        that module runs torch.compile's set-up, about a second, which would stall the step loop). The
+        upload stays on the caller's thread: from the worker, each CUDA call would take the GIL back
+        from the loop, a hand-off that costs both threads tens of microseconds."""
+        if len(plan.tokens) == 1:
+            plan.verdicts = [plan.tokens[0][0].consume_token(plan.tokens[0][1])]
+        elif plan.tokens:
+            plan.verdicts = self._pool().consume_token_par(plan.tokens)
+        row_bytes = host.shape[1] * host.element_size()
+        if len(plan.rows) == 1:
+            plan.rows[0][0].unsafe_compute_mask_ptr(host.data_ptr(), row_bytes)
+        else:
+            self._pool().unsafe_compute_mask_ptr(plan.rows, host.data_ptr(), row_bytes, len(plan.rows))
 
     def _upload(self, host: torch.Tensor, turn: int) -> torch.Tensor:
         if self.device.type != "cuda":
             return host.clone()  # the buffer is refilled next step while a CPU caller may keep this
-        out = host.to(self.device, non_blocking=True)
-        event = self._events[turn]
-        event.record(self._stream)
-        self._buffers[turn] = (self._buffers[turn][0], event)
+        entry = self._buffers[turn]
+        out = entry.device[: host.shape[0]]
+        out.copy_(host, non_blocking=True)
+        self._events[turn].record(self._stream)
+        entry.in_flight = True
         return out
+
+
+@dataclass(slots=True)
+class _Buffers:
+    host: torch.Tensor  # [rows, words] int32, pinned on a GPU
+    device: torch.Tensor | None  # its device copy (None on a CPU)
+    in_flight: bool = False  # an upload from `host` may still be running
 
 
 class _FillWorker:
@@ -174,6 +264,7 @@ class _FillWorker:
         self._go.acquire()
         self._done.acquire()
         self._job: Callable[[], None] | None = None
+        self._interval = sys.getswitchinterval()  # restored when the job ends
         self._error: BaseException | None = None
         threading.Thread(target=self._run, name="minserve-bitmask", daemon=True).start()
 
@@ -184,11 +275,16 @@ class _FillWorker:
                 self._job()
             except BaseException as exc:  # handed to the joining caller
                 self._error = exc
+            finally:  # the job's last need of the GIL is behind it (also when nobody joins it)
+                sys.setswitchinterval(self._interval)
             self._done.release()
 
     def submit(self, job: Callable[[], None]) -> None:
-        """Start `job`; the previous one must have been joined."""
+        """Start `job` with a short switch interval until it ends; the previous one must have been
+        joined."""
         self._job = job
+        self._interval = sys.getswitchinterval()
+        sys.setswitchinterval(min(self._interval, HANDOFF_SWITCH_INTERVAL_S))
         self._go.release()
 
     def join(self) -> None:

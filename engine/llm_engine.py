@@ -17,7 +17,7 @@ import itertools
 import time
 from collections.abc import Callable
 
-from engine import admission, structured
+from engine import admission, grammar_state, structured
 from engine.admission import Prompt
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
@@ -109,7 +109,8 @@ class LLMEngine:
         request = Request(request_id, ids, params, arrival_time or time.time())
         if params.structured is not None:  # compiled (and cached) by admission.check just above
             compiler = structured.compiler_for(self.tokenizer, self.limits.vocab_size)
-            request.seqs[0].grammar = GrammarState.start(compiler.prototype(params.structured))
+            prototype = compiler.prototype(params.structured, replicas=grammar_state.FILL_THREADS)
+            request.seqs[0].grammar = GrammarState.start(prototype)
         self.requests[request_id] = request
         self.scheduler.add(request)
         self.stats["prompt_tokens_total"] += len(ids)
@@ -185,8 +186,9 @@ class LLMEngine:
         ahead = self._launch_next(nxt, pending)
         if emit_first and outputs is None:
             outputs = emit()
-        self.sink.complete(out, pending)
+        result = self.sink.receive(out, pending)
         self._ahead = self._start_draw(ahead)
+        self.sink.complete(out, result)
         if not emit_first:
             outputs = emit()
         failed = self.sink.take_failed()  # each failed request gets one final output
@@ -226,9 +228,10 @@ class LLMEngine:
 
     def _start_draw(self, ahead: tuple[SchedulerOutput, object] | None):
         """A step launched ahead whose draw reads host state (grammars, penalties) can begin it only
-        now: `_complete` has just appended the previous step's tokens and advanced every matcher by
-        them. Its mask fill runs on a worker thread while this step's outputs are emitted and the next
-        one is scheduled; the device runs the step's forward meanwhile."""
+        now: `receive` has just handed the previous step's tokens to their matchers. The matchers'
+        consume and mask fill run on a worker thread while those tokens are appended, this step's
+        outputs are emitted and the next one is scheduled; the device runs the step's forward
+        meanwhile. Penalties read the token history at the join, after the appends."""
         if ahead is not None and isinstance(ahead[1], DeferredSample):
             try:
                 ahead[1].start()

@@ -205,11 +205,14 @@ class ModelRunner:
     def _sample(self, logits, rows, scores, join_mask, constrained: list[int]) -> PendingSample:
         if join_mask is None:
             return self.sampler(logits, rows) if scores is None else self.sampler(logits, rows, scores)
-        bitmask = join_mask()
-        index = None  # every row constrained: bitmask row i is sampling row i
+        mask = TokenMask(join_mask())  # every row constrained: bitmask row i is sampling row i
         if len(constrained) < len(rows):
-            index = self.upload.values("mask_rows", constrained, torch.long)
-        return self.sampler(logits, rows, scores, TokenMask(bitmask, index))
+            row_of = [-1] * len(rows)
+            for i, r in enumerate(constrained):
+                row_of[r] = i
+            both = self.upload.values("mask_rows", constrained + row_of, torch.long)  # one upload
+            mask.rows, mask.row_of = both[: len(constrained)], both[len(constrained) :]
+        return self.sampler(logits, rows, scores, mask)
 
     def _fed_back(self, out: SchedulerOutput, prev: PendingSample | None) -> torch.Tensor | None:
         """The input ids of a step scheduled ahead: rows of the previous step's samples, on the device."""

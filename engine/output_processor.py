@@ -4,7 +4,7 @@ Token-level work (`append`, between two steps unless the next one was launched a
   1. budget forcing: a sampled suppress token before the budget is spent becomes a replacement string;
   2. the calculator tool: a sampled python-end marker evaluates the expression since the last
      python-start marker and forces "<output_start> result <output_end>" into this sequence only;
-  3. stop token ids / EOS, a completed grammar (structured output), max_tokens and max_model_len;
+  3. stop token ids / EOS (a completed grammar admits only EOS), max_tokens and max_model_len;
 Text-level work (`detokenize`, deferred until the next step is running on the GPU):
   4. incremental detokenisation and stop strings (engine/text_output.TextStream).
 An engine built with detokenize=False (the server's engine core) skips step 4: its caller does it.
@@ -64,16 +64,16 @@ class OutputProcessor:
             if forced:
                 self._append(seq, forced, 0)
         reason = None
+        grammar = seq.grammar  # took the token already (TokenSink.receive); never forced: admission
+        if grammar is not None:  # refuses both
+            grammar.check()  # raises if the fill found a token the grammar refused (a bug)
         if forced is None and (
-            token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos)
+            token in params.stop_token_ids
+            or (token in self.eos_token_ids and (not params.ignore_eos or grammar is not None))
         ):
+            # EOS ends a grammar's sample even with ignore_eos: a complete grammar admits nothing else
             reason = "stop"
             st.ends_with_stop_token = True  # a stop token / EOS is never part of the text
-        if seq.grammar is not None and seq.grammar.advance(token):  # never forced: admission refuses both
-            # the grammar is complete (it took EOS, or nothing can extend the text): the sample ends,
-            # ignore_eos or not; an EOS it took is not text
-            reason = "stop"
-            st.ends_with_stop_token = st.ends_with_stop_token or token in self.eos_token_ids
         over = seq.num_output - params.max_tokens
         if over >= 0:
             if over > 0:  # forced tokens overshot the budget, or max_tokens is 0: keep exactly max_tokens

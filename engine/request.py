@@ -64,7 +64,7 @@ class Sequence:
     error: str | None = None
     state: SampleState = field(default_factory=SampleState)  # a forked sample starts with its own
     # engine.grammar_state.GrammarState of a structured-output request (None: unconstrained); its
-    # matcher has consumed exactly this sequence's sampled output tokens
+    # matcher's consumed tokens and its pending ones are exactly this sequence's sampled output tokens
     grammar: Any = None
     # speculative decoding (engine/speculator.py): draft positions the scheduler should add to this
     # sequence's next decode chunk, the proposed tokens when the host knows them (n-gram; a draft model's

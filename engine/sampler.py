@@ -46,10 +46,12 @@ class SamplingRow:
 @dataclass
 class TokenMask:
     """The allowed tokens of a step's constrained rows, on the device (engine/grammar_state.py):
-    bitmask row i applies to sampling row rows[i] (rows None: to row i, every row constrained)."""
+    bitmask row i applies to sampling row rows[i], and sampling row r takes bitmask row row_of[r] (-1:
+    unconstrained); both None when every row is constrained (row i takes bitmask row i)."""
 
     bitmask: torch.Tensor  # [R, ceil(V / 32)] int32
-    rows: torch.Tensor | None  # [R] int64
+    rows: torch.Tensor | None = None  # [R] int64
+    row_of: torch.Tensor | None = None  # [rows] int64
 
 
 @dataclass
@@ -170,18 +172,24 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits.float(), dim=-1) if wants_logprobs else None
         if not all(_no_processor(r.params) for r in rows):
             logits = self.apply_processors(logits.float(), rows)
-        if mask is not None:  # after logit_bias and penalties, before the filters and the draw
+        greedy = all(r.params.greedy for r in rows)
+        filters = not greedy and any(_filters(r.params) for r in rows)
+        if mask is not None and filters:  # after logit_bias and penalties, before the filters
             ops.apply_token_bitmask(logits, mask.bitmask, mask.rows)
-        if all(r.params.greedy for r in rows):
-            return ops.argmax(logits), raw_logprobs
+            mask = None
+        # otherwise the draw itself reads the mask as it loads the logits (no masking pass)
+        bits = (None, None) if mask is None else (mask.bitmask, mask.row_of)
+        if greedy:
+            return ops.argmax(logits, *bits), raw_logprobs
         temperature = [r.params.temperature for r in rows]  # 0 for greedy rows: the plain argmax
-        if any(_filters(r.params) for r in rows):
+        if filters:
             t = self._t("temperature", [x or 1.0 for x in temperature])
             logits = self.filter_logits(logits.float() / t[:, None], rows)  # filtered tokens are -inf
             temperature = [0.0 if x == 0 else 1.0 for x in temperature]  # already divided
         keys_counters = [r.key for r in rows] + [r.counter for r in rows]  # one upload for both
         keys, counters = self._t("streams", keys_counters, torch.long).view(2, len(rows))
-        return ops.sample(logits, self._t("draw_temperature", temperature), keys, counters), raw_logprobs
+        temperature = self._t("draw_temperature", temperature)
+        return ops.sample(logits, temperature, keys, counters, *bits), raw_logprobs
 
     def score_prompt(
         self, compute_logits: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, plan

@@ -15,7 +15,7 @@ import time
 from engine.core_messages import Record
 from engine.outputs import RequestOutput
 from engine.request import Request
-from engine.sampler import PendingSample
+from engine.sampler import PendingSample, SampleResult
 from engine.scheduler import SchedulerOutput
 
 log = logging.getLogger("engine")
@@ -34,14 +34,23 @@ class TokenSink:
         self.touched: dict[str, Request] = {}
         self.failed: list[Request] = []
 
-    def complete(self, out: SchedulerOutput, pending: PendingSample | None) -> None:
-        """Wait for the sampled ids (the step's one host sync) and append them: token-level work only."""
-        result = None
-        if pending is not None:
-            try:
-                result = pending.resolve()
-            except Exception as exc:
-                self.fail_chunks(out, exc)
+    def receive(self, out: SchedulerOutput, pending: PendingSample | None) -> SampleResult | None:
+        """Wait for the sampled ids (the step's one host sync); each constrained sample's token goes to
+        its grammar at once, so that the next step's mask fill can start before `complete`."""
+        if pending is None:
+            return None
+        try:
+            result = pending.resolve()
+        except Exception as exc:
+            self.fail_chunks(out, exc)
+            return None
+        for seq, token in zip(_samplers(out), result.token_ids, strict=True):
+            if seq.grammar is not None and not seq.finished:
+                seq.grammar.push(token)
+        return result
+
+    def complete(self, out: SchedulerOutput, result: SampleResult | None) -> None:
+        """Append the received ids: token-level work only."""
         if result is not None and result.spec_tokens is not None:
             self.accept(out, result.spec_tokens)  # before update_computed: it hashes their blocks
         self.scheduler.update_computed(out)
@@ -50,8 +59,7 @@ class TokenSink:
         if result.prompt is not None:  # before the samples: the request's next output carries them
             self.prompt_logprobs.absorb(result.prompt)
         now = time.time()
-        samplers = [s for c in out.chunks if not c.num_draft for s in c.samples]
-        for seq, token, logprob in zip(samplers, result.token_ids, result.logprobs, strict=True):
+        for seq, token, logprob in zip(_samplers(out), result.token_ids, result.logprobs, strict=True):
             self.append(seq, token, logprob, now)
 
     def touch(self, request: Request) -> None:
@@ -133,3 +141,9 @@ class TokenSink:
         """The requests failed since the last call, each still owed its final output."""
         failed, self.failed = self.failed, []
         return failed
+
+
+def _samplers(out: SchedulerOutput) -> list:
+    """The sequences that drew one token each in `out`, in sampling-row order (speculating chunks'
+    tokens arrive as SampleResult.spec_tokens instead)."""
+    return [s for c in out.chunks if not c.num_draft for s in c.samples]

@@ -146,12 +146,18 @@ def gelu_tanh_and_mul(x):
     return torch_ops.gelu_tanh_and_mul(x)
 
 
-def argmax(logits: torch.Tensor) -> torch.Tensor:
-    """Row-wise argmax of [rows, vocab] logits as int64 ids, lowest index on ties (greedy sampling)."""
+def argmax(
+    logits: torch.Tensor, bitmask: torch.Tensor | None = None, mask_row: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Row-wise argmax of [rows, vocab] logits as int64 ids, lowest index on ties (greedy sampling).
+    With a token bitmask, over the allowed tokens only (kernels.triton_argmax.argmax: the mask is read
+    as the logits load, no masking pass)."""
     if use_triton(logits) and logits.stride(-1) == 1:
         from kernels import triton_argmax
 
-        return triton_argmax.argmax(logits)
+        return triton_argmax.argmax(logits, bitmask, mask_row)
+    if bitmask is not None:
+        logits = torch_ops.masked_by_bitmask(logits, bitmask, mask_row)
     return logits.argmax(dim=-1)
 
 
@@ -216,14 +222,22 @@ def attention(q, k, v, k_cache, v_cache, meta, scale, sliding_window=None, softc
 
 
 def sample(
-    logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor, counters: torch.Tensor
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    keys: torch.Tensor,
+    counters: torch.Tensor,
+    bitmask: torch.Tensor | None = None,
+    mask_row: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One Gumbel-max draw per row from softmax(logits / temperature) (T = 0: argmax), its noise from
-    Philox keyed per row (kernels.triton_argmax.sample): the kernel and the twin draw the same ids."""
+    Philox keyed per row (kernels.triton_argmax.sample): the kernel and the twin draw the same ids.
+    bitmask / mask_row: as in `argmax`."""
     if use_triton(logits) and logits.stride(-1) == 1:
         from kernels import triton_argmax
 
-        return triton_argmax.sample(logits, temperature, keys, counters)
+        return triton_argmax.sample(logits, temperature, keys, counters, bitmask, mask_row)
+    if bitmask is not None:
+        logits = torch_ops.masked_by_bitmask(logits, bitmask, mask_row)
     return torch_ops.sample(logits, temperature, keys, counters)
 
 

@@ -238,6 +238,20 @@ def apply_token_bitmask(
         logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
 
 
+def masked_by_bitmask(
+    logits: torch.Tensor, bitmask: torch.Tensor, mask_row: torch.Tensor | None = None
+) -> torch.Tensor:
+    """A copy of logits with apply_token_bitmask applied, the mask rows given per logits row: row r takes
+    bitmask row mask_row[r] (-1: none), or row r when mask_row is None."""
+    out = logits.clone()
+    if mask_row is None:
+        apply_token_bitmask(out, bitmask)
+        return out
+    rows = torch.nonzero(mask_row >= 0).flatten()
+    apply_token_bitmask(out, bitmask[mask_row[rows].long()], rows)
+    return out
+
+
 # Quantised linears (engine/models/quant_linear.py documents the storage). Activation scales are clamped
 # to at least ACT_SCALE_MIN so an all-zero row (or group) quantises to zeros instead of 0/0.
 QUANT_BLOCK = 128  # weight scale tiles are 128 x 128; fp8_group128 activations share a scale per 128 columns

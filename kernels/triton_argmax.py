@@ -9,6 +9,9 @@ the row's arrival counter (kernels.arrivals); the row's last program picks the f
 largest partial, so ties resolve to the lowest index whichever program arrives last.
 NaN logits give an unspecified id (torch would return the NaN's index).
 
+A grammar's token bitmask (engine/grammar_state.py) can be applied as the logits load: a refused token
+reads as -inf, so a constrained draw needs no separate masking pass over the logits (nor its launch).
+
 Sampling is the same pass with noise added as the logits load: argmax(x / T + G) with G ~ Gumbel(0, 1)
 i.i.d. is an exact draw from softmax(x / T) (the Gumbel-max trick), so a sampled row costs one read of
 its logits, like a greedy one; no fp32 copy, softmax or noise tensor is ever written. The noise of
@@ -42,7 +45,9 @@ def _gumbel(key, counter, idx):
 @triton.jit
 def _argmax_kernel(
     x_ptr, temp_ptr, key_ptr, counter_ptr, part_val_ptr, part_idx_ptr, out_ptr, arrivals_ptr, V, stride_x,
-    BLOCK: tl.constexpr, CHUNKS_P2: tl.constexpr, NOISE: tl.constexpr, USE_PDL: tl.constexpr,
+    mask_ptr, mask_row_ptr, W,
+    BLOCK: tl.constexpr, CHUNKS_P2: tl.constexpr, NOISE: tl.constexpr, MASK: tl.constexpr,
+    MASK_ROWS: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
@@ -54,6 +59,11 @@ def _argmax_kernel(
         t = tl.load(temp_ptr + row)
         if t > 0.0:  # T = 0 rows (greedy) keep their logits; padding columns stay -inf (-inf + G)
             v = v / t + _gumbel(tl.load(key_ptr + row), tl.load(counter_ptr + row), idx)
+    if MASK:  # a grammar's bitmask: row m = mask_row[row] (-1: unconstrained), bit t of word t // 32
+        m = tl.load(mask_row_ptr + row).to(tl.int64) if MASK_ROWS else row
+        if m >= 0:
+            words = tl.load(mask_ptr + m * W + idx // 32, mask=idx < 32 * W, other=0)
+            v = tl.where(((words >> (idx % 32)) & 1) != 0, v, float("-inf"))
     best = tl.max(v, axis=0)
     first = tl.min(tl.where(v == best, idx, V), axis=0)  # a real index: every chunk holds one
     tl.store(part_val_ptr + row * chunks + chunk, best)
@@ -69,18 +79,26 @@ def _argmax_kernel(
         tl.store(counter, 0)  # ready for the next launch
 
 
-def argmax(logits: torch.Tensor) -> torch.Tensor:
-    """logits [rows, V] (any float dtype, rows contiguous) -> int64 ids [rows]."""
-    return _launch(logits, None)
+def argmax(logits: torch.Tensor, bitmask: torch.Tensor | None = None, mask_row=None) -> torch.Tensor:
+    """logits [rows, V] (any float dtype, rows contiguous) -> int64 ids [rows]. With `bitmask`
+    [R, ceil(V / 32)] int32, only the tokens whose bit is set compete (a grammar's mask, as
+    kernels.torch_ops.apply_token_bitmask applies it): for row r, mask row mask_row[r] ([rows] int,
+    -1: no mask), or mask row r when mask_row is None."""
+    return _launch(logits, None, bitmask, mask_row)
 
 
 def sample(
-    logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor, counters: torch.Tensor
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    keys: torch.Tensor,
+    counters: torch.Tensor,
+    bitmask: torch.Tensor | None = None,
+    mask_row: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One draw per row from softmax(logits / temperature): int64 ids [rows]. temperature [rows] fp32
     (0: the plain argmax); keys [rows] int64, one Philox stream per sequence; counters [rows] int64, the
     position of the token being drawn (only its low 32 bits are used), so each draw of a stream is
-    fresh and a recomputed position draws the same token again."""
+    fresh and a recomputed position draws the same token again. bitmask / mask_row: as in `argmax`."""
     rows = logits.shape[0]
     for name, t, dtype in (("temperature", temperature, torch.float32), ("keys", keys, torch.int64),
                            ("counters", counters, torch.int64)):  # fmt: skip
@@ -88,10 +106,10 @@ def sample(
             raise ValueError(
                 f"sample: {name} must be [{rows}] {dtype} on {logits.device}, got {tuple(t.shape)} {t.dtype}"
             )
-    return _launch(logits, (temperature, keys, counters))
+    return _launch(logits, (temperature, keys, counters), bitmask, mask_row)
 
 
-def _launch(logits: torch.Tensor, noise: tuple[torch.Tensor, ...] | None) -> torch.Tensor:
+def _launch(logits: torch.Tensor, noise: tuple[torch.Tensor, ...] | None, bitmask=None, mask_row=None):
     if logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError(f"argmax: logits {tuple(logits.shape)} must be [rows, vocab] with contiguous rows")
     rows, vocab = logits.shape
@@ -103,9 +121,13 @@ def _launch(logits: torch.Tensor, noise: tuple[torch.Tensor, ...] | None) -> tor
     part_idx = torch.empty((rows, chunks), dtype=torch.int32, device=logits.device)
     pdl = pdl_enabled(logits.device)
     temp, keys, counters = noise or (logits, logits, logits)  # unread without NOISE
+    if bitmask is not None and (bitmask.dtype != torch.int32 or not bitmask.is_contiguous()):
+        raise ValueError(f"argmax: bitmask must be contiguous int32, got {bitmask.dtype}")
     _argmax_kernel[(rows, chunks)](
         logits, temp, keys, counters, part_val, part_idx, out, arrival_counters(rows, logits.device), vocab,
-        logits.stride(0), BLOCK=BLOCK, CHUNKS_P2=triton.next_power_of_2(chunks), NOISE=noise is not None,
-        USE_PDL=pdl, num_warps=4, launch_pdl=pdl,
+        logits.stride(0), logits if bitmask is None else bitmask, logits if mask_row is None else mask_row,
+        0 if bitmask is None else bitmask.shape[1], BLOCK=BLOCK, CHUNKS_P2=triton.next_power_of_2(chunks),
+        NOISE=noise is not None, MASK=bitmask is not None, MASK_ROWS=mask_row is not None, USE_PDL=pdl,
+        num_warps=4, launch_pdl=pdl,
     )  # fmt: skip
     return out

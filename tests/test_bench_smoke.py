@@ -129,7 +129,8 @@ def test_step_phases_smoke(tmp_path):
     data = json.loads((out / "step_phases.json").read_text())
     none, constrained = data["modes"]
     assert none["phases"]["LLMEngine._step"]["calls_per_step"] == 1.0
-    assert "BitmaskFiller._upload" not in none["phases"] and "GrammarState.advance" not in none["phases"]
-    assert constrained["phases"]["GrammarState.advance"]["calls_per_step"] > 1  # one per constrained row
+    assert "BitmaskFiller._upload" not in none["phases"] and "BitmaskFiller._run" not in none["phases"]
+    runs = constrained["phases"]["BitmaskFiller._run"]["calls_per_step"]  # one consume and fill per draw
+    assert 0.5 < runs <= 1.0 and constrained["phases"]["BitmaskFiller._plan"]["calls_per_step"] == runs
     assert constrained["phases"]["BitmaskFiller._upload"]["us_per_step"] > 0
     assert "| BitmaskFiller._upload |" in (out / "step_phases.md").read_text()

@@ -138,3 +138,55 @@ def test_sample_frequencies_follow_the_softmax_gpu() -> None:
     ids = ta.sample(x.expand(n, vocab).contiguous(), temperature, keys, torch.arange(n, device="cuda"))
     freq = torch.bincount(ids, minlength=vocab).double() / n
     assert (freq - torch.softmax(x.double() / 0.8, -1)).abs().max() < 0.005
+
+
+def _mask_case(rows: int, vocab: int, device: str, every_row: bool):
+    """A bitmask allowing ~5% of tokens per mask row (never none), and for `every_row` False a row map
+    where every other row is unconstrained (-1)."""
+    g = torch.Generator().manual_seed(rows * 13 + vocab)
+    allowed = torch.rand(rows, vocab, generator=g) < 0.05
+    allowed[:, vocab - 1] = True  # the last token (in a partial word and chunk) stays possible
+    words = (vocab + 31) // 32
+    bits = torch.zeros(rows, words * 32, dtype=torch.int64)
+    bits[:, :vocab] = allowed.long()
+    packed = (bits.view(rows, words, 32) << torch.arange(32)).sum(-1)
+    bitmask = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+    if every_row:
+        return bitmask.to(device), None, allowed
+    row_of = torch.tensor([i // 2 if i % 2 == 0 else -1 for i in range(rows)])
+    mask_rows = bitmask[row_of[row_of >= 0]]
+    per_row = torch.ones(rows, vocab, dtype=torch.bool)
+    per_row[row_of >= 0] = allowed[row_of[row_of >= 0]]
+    return mask_rows.to(device), row_of.to(device), per_row
+
+
+def _check_masked(rows: int, vocab: int, every_row: bool, device: str) -> None:
+    """argmax and sample with a bitmask read as the logits load give the ids of the unmasked kernels
+    run on logits masked beforehand with -inf (each row's allowed set unpacked independently here),
+    and the torch twins agree."""
+    x, temperature, keys, counters = _sample_case(rows, vocab, torch.float32, device)
+    bitmask, row_of, allowed = _mask_case(rows, vocab, device, every_row)
+    allowed = allowed.to(device)
+    masked = x.masked_fill(~allowed, float("-inf"))
+    want = masked.argmax(dim=-1)
+    assert torch.equal(ta.argmax(x, bitmask, row_of), want)
+    assert allowed[torch.arange(rows, device=device), want].all()
+    twin = torch_ops.masked_by_bitmask(x, bitmask, row_of)
+    assert torch.equal(twin, masked) and torch.equal(twin.argmax(dim=-1), want)
+    got = ta.sample(x, temperature, keys, counters, bitmask, row_of)
+    assert torch.equal(got, ta.sample(masked, temperature, keys, counters))
+    assert allowed[torch.arange(rows, device=device), got].all()
+
+
+@interp
+@pytest.mark.parametrize("rows,vocab", [(3, 100), (4, 2 * ta.BLOCK + 45)])
+@pytest.mark.parametrize("every_row", [True, False])
+def test_masked_draws_match_masking_first_interpreted(rows: int, vocab: int, every_row: bool) -> None:
+    _check_masked(rows, vocab, every_row, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA_OK, reason="needs CUDA")
+@pytest.mark.parametrize("every_row", [True, False])
+def test_masked_draws_match_masking_first_gpu(every_row: bool) -> None:
+    _check_masked(64, 128256, every_row, "cuda")

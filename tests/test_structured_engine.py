@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import re
 import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -20,7 +22,7 @@ from benchmarks.structured_cases import CHOICES, GRAMMARS, REGEXES, SCHEMAS
 from engine import admission, grammar_state
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
-from engine.grammar_state import BitmaskFiller, GrammarState
+from engine.grammar_state import BitmaskFiller, GrammarError, GrammarState
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams, StructuredOutput
 from engine.structured import compiler_for
@@ -216,6 +218,30 @@ def test_compiles_are_cached(engine):
     assert compiler.compiles == before + 1
 
 
+def test_replicas_are_independent_compiles_taken_in_turn(engine):
+    """With replicas, a constraint's entry grows (in the background) to that many separately compiled
+    prototypes, handed out in turn; only the first compile is a cache miss, and every replica gives the
+    first one's masks."""
+    compiler = compiler_for(engine.tokenizer, engine.limits.vocab_size)
+    constraint = so("regex", "[0-9]{2}-(ab|cd)")
+    before = compiler.compiles
+    first = compiler.prototype(constraint, replicas=3)
+    deadline = time.monotonic() + 20
+    while len({id(compiler.prototype(constraint, replicas=3)) for _ in range(6)}) < 3:
+        assert time.monotonic() < deadline, "the replicas were never compiled"
+        time.sleep(0.05)
+    protos = {id(p): p for p in (compiler.prototype(constraint, replicas=3) for _ in range(6))}
+    assert len(protos) == 3 and id(first) in protos and compiler.compiles == before + 1
+    filler = BitmaskFiller(engine.limits.vocab_size, torch.device("cpu"))
+    tokens = compiler.ll_tokenizer.tokenize_str("42-")
+    states = [GrammarState.start(p) for p in protos.values()]
+    for token in tokens:
+        for state in states:
+            state.push(token)
+        masks = filler.start(states)()
+        assert all(torch.equal(masks[0], row) for row in masks[1:])
+
+
 def chain_grammar(n: int) -> str:
     """A Lark grammar of n rules nested in one chain (r0 -> r1 -> ... -> rn)."""
     return "start: r0\n" + "".join(f'r{i}: "x" r{i + 1} | "y"\n' for i in range(n)) + f'r{n}: "z"\n'
@@ -255,9 +281,9 @@ def test_unconstrained_steps_never_touch_the_mask(tiny_model_dir, monkeypatch):
 
 
 def test_outputs_are_invalid_without_the_mask(tiny_model_dir, monkeypatch):
-    """Mutation check: with the mask skipped, the same requests produce invalid outputs, so the tests
-    above would catch a mask that is not applied."""
-    monkeypatch.setattr(ops, "apply_token_bitmask", lambda logits, bitmask, rows=None: None)
+    """Mutation check: with every token allowed by the mask, the same requests produce invalid outputs,
+    so the tests above would catch a mask that is not applied."""
+    monkeypatch.setattr(BitmaskFiller, "_upload", lambda self, host, turn: torch.full_like(host, -1))
     eng = make_engine(tiny_model_dir)
     cases = [("json", s) for s in SCHEMAS[:6]] + [("regex", r) for r in REGEXES[:6]]
     reqs = [(PROMPT, sampled(so(k, s), seed=i, max_tokens=30)) for i, (k, s) in enumerate(cases)]
@@ -358,20 +384,57 @@ def test_on_the_gpu_with_graphs_and_async_scheduling(tiny_model_dir):
     assert got == run(gpu_engine(async_scheduling=False), reqs)
 
 
-def test_a_background_fill_shortens_the_switch_interval_until_its_join(engine):
+def test_a_background_fill_shortens_the_switch_interval_until_it_ends(engine, monkeypatch):
     """The step loop runs pure Python, so the fill's worker gets the GIL only when the interpreter
     forces a switch: with the default 5 ms interval that is at the join, and the fill overlaps
-    nothing (benchmarks/step_phases measures the effect). While a fill is pending the interval is short;
-    the join restores the caller's."""
+    nothing (benchmarks/step_phases measures the effect). While a fill runs the interval is short; its
+    end restores the caller's, joined or not."""
     proto = compiler_for(engine.tokenizer, engine.limits.vocab_size).prototype(so("regex", "[a-z]{8}"))
     states = [GrammarState.start(proto) for _ in range(4)]
     filler = BitmaskFiller(engine.limits.vocab_size, torch.device("cpu"))
+    gate, run = threading.Event(), BitmaskFiller._run
+    monkeypatch.setattr(BitmaskFiller, "_run", lambda self, *a: (gate.wait(10), run(self, *a)))
     before = sys.getswitchinterval()
     join = filler.start(states)
     assert sys.getswitchinterval() <= grammar_state.HANDOFF_SWITCH_INTERVAL_S < before
+    gate.set()
     bitmask = join()
     assert sys.getswitchinterval() == before
     assert torch.equal(bitmask, filler.fill(states))  # the same rows as a fill on the caller's thread
+    filler.start(states)  # never joined: its end still restores the interval
+    deadline = time.monotonic() + 10
+    while sys.getswitchinterval() != before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sys.getswitchinterval() == before
+
+
+def test_the_fill_consumes_pushed_tokens_like_advancing_on_the_host(engine):
+    """Pushed tokens are consumed by the fill (llguidance's parallel consume, on the worker); masks and
+    matcher states equal those of matchers advanced one token at a time on the caller's thread, and a
+    refused token is recorded, masks that row to EOS only and raises at the row's next check."""
+    compiler = compiler_for(engine.tokenizer, engine.limits.vocab_size)
+    proto = compiler.prototype(so("regex", "(ab|cd)[0-9]{3}x"))
+    texts = ["ab123x", "cd9", "ab", "cd45"]
+    tokens = [compiler.ll_tokenizer.tokenize_str(t) for t in texts]
+    lagged = [GrammarState.start(proto) for _ in texts]
+    eager = [GrammarState.start(proto) for _ in texts]
+    filler = BitmaskFiller(engine.limits.vocab_size, torch.device("cpu"))
+    for step in range(max(map(len, tokens))):
+        live = [i for i, t in enumerate(tokens) if step < len(t)]
+        for i in live:
+            lagged[i].push(tokens[i][step])
+            eager[i].advance(tokens[i][step])
+        got = filler.start([lagged[i] for i in live])()
+        assert torch.equal(got, filler.fill([eager[i] for i in live]))
+    assert [s.num_consumed for s in lagged] == [len(t) for t in tokens] and not any(s.pending for s in lagged)
+    assert lagged[0].finished and not lagged[1].finished
+    bad = GrammarState.start(proto)
+    bad.push(compiler.ll_tokenizer.tokenize_str("zz")[0])
+    mask = filler.start([bad, lagged[1]])()
+    allowed = [t for t in range(engine.limits.vocab_size) if mask[0, t // 32] >> (t % 32) & 1]
+    assert bad.error and set(allowed) <= set(engine.tokenizer.eos_token_ids)
+    with pytest.raises(GrammarError, match="refused"):
+        bad.check()
 
 
 def test_a_failed_background_fill_raises_at_its_join_and_the_next_fill_works(engine, monkeypatch):
@@ -379,14 +442,14 @@ def test_a_failed_background_fill_raises_at_its_join_and_the_next_fill_works(eng
     states = [GrammarState.start(proto) for _ in range(3)]
     filler = BitmaskFiller(engine.limits.vocab_size, torch.device("cpu"))
     expected = filler.fill(states)  # foreground, for reference
-    fill_rows = BitmaskFiller._fill_rows
+    run = BitmaskFiller._run
 
-    def broken(self, rows, host):
+    def broken(self, plan, host):
         raise RuntimeError("matcher exploded")
 
-    monkeypatch.setattr(BitmaskFiller, "_fill_rows", broken)
+    monkeypatch.setattr(BitmaskFiller, "_run", broken)
     join = filler.start(states)
     with pytest.raises(RuntimeError, match="matcher exploded"):
         join()
-    monkeypatch.setattr(BitmaskFiller, "_fill_rows", fill_rows)
+    monkeypatch.setattr(BitmaskFiller, "_run", run)
     assert torch.equal(filler.start(states)(), expected)
