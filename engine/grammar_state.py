@@ -35,10 +35,8 @@ import torch
 # (which then drops it) and again to hand back its result.
 HANDOFF_SWITCH_INTERVAL_S = 5e-5
 # llguidance's pool threads for a consume and fill. The deep copies of one compiled matcher share its
-# lexer behind one lock: 64 copies of one grammar filled in 0.71-0.80 ms serially, 0.66-0.73 ms on 2
-# threads and 0.93-0.95 ms on 12, against 0.47 ms on 4 threads for independently compiled matchers (GPU
-# host). So each cached constraint keeps this many independently compiled prototypes
-# (structured.GrammarCompiler.prototype's replicas), which its sequences copy in turn.
+# lexer behind one lock, so more threads mostly contend for it: 64 rows filled in 0.71-0.80 ms serially,
+# 0.66-0.73 ms on 2 threads and 0.93-0.95 ms on 12 (llguidance's default on 16 cores) on the GPU host.
 FILL_THREADS = 2
 
 

@@ -17,7 +17,7 @@ import itertools
 import time
 from collections.abc import Callable
 
-from engine import admission, grammar_state, structured
+from engine import admission, structured
 from engine.admission import Prompt
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
@@ -109,8 +109,7 @@ class LLMEngine:
         request = Request(request_id, ids, params, arrival_time or time.time())
         if params.structured is not None:  # compiled (and cached) by admission.check just above
             compiler = structured.compiler_for(self.tokenizer, self.limits.vocab_size)
-            prototype = compiler.prototype(params.structured, replicas=grammar_state.FILL_THREADS)
-            request.seqs[0].grammar = GrammarState.start(prototype)
+            request.seqs[0].grammar = GrammarState.start(compiler.prototype(params.structured))
         self.requests[request_id] = request
         self.scheduler.add(request)
         self.stats["prompt_tokens_total"] += len(ids)

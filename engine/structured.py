@@ -137,55 +137,33 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self.cache_size = cache_size
         self._limits = limits()
-        self._cache: OrderedDict[tuple[str, str], list] = OrderedDict()  # key -> its prototypes
+        self._cache: OrderedDict[tuple[str, str], object] = OrderedDict()
         self._lock = threading.Lock()
         self.compiles = 0  # cache misses, for tests and benchmarks
-        self._turn = 0  # round robin over a key's prototypes
 
-    def prototype(self, so: StructuredOutput, replicas: int = 1):
-        """A compiled, untouched matcher of `so` (never advance it: deep_copy it).
-
-        llguidance's deep copies of one matcher share its lexer behind a lock, so many sequences of one
-        constraint cannot fill their masks in parallel; independently compiled matchers can. With
-        `replicas` > 1 the cache entry grows to that many prototypes, compiled on a background thread
-        after the first, and calls take them in turn (the caller's fill pool has as many threads)."""
+    def prototype(self, so: StructuredOutput):
+        """The compiled, untouched matcher of `so` (never advance it: deep_copy it)."""
         key = (so.kind, canonical(so))
         with self._lock:
-            protos = self._cache.get(key)
-            if protos is not None:
+            found = self._cache.get(key)
+            if found is not None:
                 self._cache.move_to_end(key)
-                self._turn += 1
-                return protos[self._turn % len(protos)]
+                return found
         matcher = self._compile(so, *key)
         with self._lock:
-            protos = self._cache.setdefault(key, [matcher])
+            self._cache[key] = matcher
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
-        if replicas > 1 and protos[0] is matcher:
-            threading.Thread(
-                target=self._replicate, args=(so, key, protos, replicas), name="grammar-replicas", daemon=True
-            ).start()
         return matcher
 
-    def _replicate(self, so: StructuredOutput, key: tuple[str, str], protos: list, replicas: int) -> None:
-        """Compile the other prototypes of one key (llguidance compiles without the GIL); each joins the
-        entry's list as it is made. A failure only leaves fewer replicas: the first one compiled."""
-        for _ in range(replicas - 1):
-            try:
-                matcher = self._compile(so, *key, count=False)
-            except Exception:
-                return
-            with self._lock:
-                protos.append(matcher)
-
-    def _compile(self, so: StructuredOutput, kind: str, spec: str, count: bool = True):
+    def _compile(self, so: StructuredOutput, kind: str, spec: str):
         import llguidance
 
         try:
             grammar = grammar_text(kind, spec)
         except ValueError as exc:
             raise _fail(so, f"cannot read the {kind}: {exc}") from None
-        self.compiles += count
+        self.compiles += 1
         matcher = _in_compile_thread(
             lambda: llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0, limits=self._limits),
             lambda: _fail(so, f"the {kind} took longer than {COMPILE_TIMEOUT_S:g} s to compile; simplify it"),

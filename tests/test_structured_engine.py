@@ -218,30 +218,6 @@ def test_compiles_are_cached(engine):
     assert compiler.compiles == before + 1
 
 
-def test_replicas_are_independent_compiles_taken_in_turn(engine):
-    """With replicas, a constraint's entry grows (in the background) to that many separately compiled
-    prototypes, handed out in turn; only the first compile is a cache miss, and every replica gives the
-    first one's masks."""
-    compiler = compiler_for(engine.tokenizer, engine.limits.vocab_size)
-    constraint = so("regex", "[0-9]{2}-(ab|cd)")
-    before = compiler.compiles
-    first = compiler.prototype(constraint, replicas=3)
-    deadline = time.monotonic() + 20
-    while len({id(compiler.prototype(constraint, replicas=3)) for _ in range(6)}) < 3:
-        assert time.monotonic() < deadline, "the replicas were never compiled"
-        time.sleep(0.05)
-    protos = {id(p): p for p in (compiler.prototype(constraint, replicas=3) for _ in range(6))}
-    assert len(protos) == 3 and id(first) in protos and compiler.compiles == before + 1
-    filler = BitmaskFiller(engine.limits.vocab_size, torch.device("cpu"))
-    tokens = compiler.ll_tokenizer.tokenize_str("42-")
-    states = [GrammarState.start(p) for p in protos.values()]
-    for token in tokens:
-        for state in states:
-            state.push(token)
-        masks = filler.start(states)()
-        assert all(torch.equal(masks[0], row) for row in masks[1:])
-
-
 def chain_grammar(n: int) -> str:
     """A Lark grammar of n rules nested in one chain (r0 -> r1 -> ... -> rn)."""
     return "start: r0\n" + "".join(f'r{i}: "x" r{i + 1} | "y"\n' for i in range(n)) + f'r{n}: "z"\n'
