@@ -185,9 +185,9 @@ class LLMEngine:
         ahead = self._launch_next(nxt, pending)
         if emit_first and outputs is None:
             outputs = emit()
-        result = self.sink.receive(out, pending)
+        received = self.sink.receive(out, pending)
         self._ahead = self._start_draw(ahead)
-        self.sink.complete(out, result)
+        self.sink.complete(out, received)
         if not emit_first:
             outputs = emit()
         failed = self.sink.take_failed()  # each failed request gets one final output

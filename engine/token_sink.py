@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import NamedTuple
 
 from engine.core_messages import Record
 from engine.outputs import RequestOutput
@@ -19,6 +20,13 @@ from engine.sampler import PendingSample, SampleResult
 from engine.scheduler import SchedulerOutput
 
 log = logging.getLogger("engine")
+
+
+class Received(NamedTuple):
+    """A step's drawn ids on the host, and the sequence of each sampling row."""
+
+    result: SampleResult
+    samplers: list
 
 
 class TokenSink:
@@ -34,7 +42,7 @@ class TokenSink:
         self.touched: dict[str, Request] = {}
         self.failed: list[Request] = []
 
-    def receive(self, out: SchedulerOutput, pending: PendingSample | None) -> SampleResult | None:
+    def receive(self, out: SchedulerOutput, pending: PendingSample | None) -> Received | None:
         """Wait for the sampled ids (the step's one host sync); each constrained sample's token goes to
         its grammar at once, so that the next step's mask fill can start before `complete`."""
         if pending is None:
@@ -44,13 +52,17 @@ class TokenSink:
         except Exception as exc:
             self.fail_chunks(out, exc)
             return None
-        for seq, token in zip(_samplers(out), result.token_ids, strict=True):
+        # the sequences that drew one token each, in sampling-row order (speculating chunks' tokens
+        # arrive as SampleResult.spec_tokens instead)
+        samplers = [s for c in out.chunks if not c.num_draft for s in c.samples]
+        for seq, token in zip(samplers, result.token_ids, strict=True):
             if seq.grammar is not None and not seq.finished:
                 seq.grammar.push(token)
-        return result
+        return Received(result, samplers)
 
-    def complete(self, out: SchedulerOutput, result: SampleResult | None) -> None:
+    def complete(self, out: SchedulerOutput, received: Received | None) -> None:
         """Append the received ids: token-level work only."""
+        result = received.result if received is not None else None
         if result is not None and result.spec_tokens is not None:
             self.accept(out, result.spec_tokens)  # before update_computed: it hashes their blocks
         self.scheduler.update_computed(out)
@@ -59,7 +71,7 @@ class TokenSink:
         if result.prompt is not None:  # before the samples: the request's next output carries them
             self.prompt_logprobs.absorb(result.prompt)
         now = time.time()
-        for seq, token, logprob in zip(_samplers(out), result.token_ids, result.logprobs, strict=True):
+        for seq, token, logprob in zip(received.samplers, result.token_ids, result.logprobs, strict=True):
             self.append(seq, token, logprob, now)
 
     def touch(self, request: Request) -> None:
@@ -141,9 +153,3 @@ class TokenSink:
         """The requests failed since the last call, each still owed its final output."""
         failed, self.failed = self.failed, []
         return failed
-
-
-def _samplers(out: SchedulerOutput) -> list:
-    """The sequences that drew one token each in `out`, in sampling-row order (speculating chunks'
-    tokens arrive as SampleResult.spec_tokens instead)."""
-    return [s for c in out.chunks if not c.num_draft for s in c.samples]

@@ -58,6 +58,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return torch.nn.functional.linear(x, weight, bias)
 
 
+def quant_gemv_reads_act_amax(qweight: torch.Tensor, scheme: str, act_quant: str | None) -> bool:
+    """Whether quant_linear of one row reads `act_amax` (the integer-dot GEMV), so x's producer should
+    write it (kernels.triton_qgemv.reads_act_amax)."""
+    from kernels import triton_qgemv
+
+    return triton_qgemv.reads_act_amax(qweight, scheme, act_quant)
+
+
 def quant_linear(
     x: torch.Tensor,
     qweight: torch.Tensor,

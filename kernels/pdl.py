@@ -30,11 +30,16 @@ ENV = "MINSERVE_PDL"
 
 
 @functools.lru_cache(maxsize=8)
+@functools.lru_cache(maxsize=1)
+def interpreting() -> bool:
+    """Whether kernels run under the Triton interpreter, which has neither PDL nor inline PTX. Triton
+    fixes the flag when the kernels are defined, so it is read once."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 def enabled(device: torch.device) -> bool:
     """Whether kernels on `device` are launched with PDL (pass as USE_PDL= and launch_pdl=)."""
-    if device.type != "cuda" or os.environ.get(ENV, "1") == "0":
-        return False
-    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    if device.type != "cuda" or os.environ.get(ENV, "1") == "0" or interpreting():
         return False
     return torch.cuda.get_device_capability(device)[0] >= 9
 

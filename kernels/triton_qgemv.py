@@ -32,14 +32,12 @@ CUDA-graph capture. Twin: kernels.torch_ops.quant_linear with act_quant None.
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from kernels.pdl import enabled as pdl_enabled
+from kernels.pdl import interpreting as pdl_interpreting
 from kernels.pdl import wait_for_inputs
 from kernels.triton_gemv import LONG_K, MIN_PROGRAMS_PER_SM, _sm_count
 
@@ -172,11 +170,13 @@ def qgemv_config(n: int, k: int, sm_count: int) -> tuple[int, int, int, int]:
     return block_n, block_k, stages, warps
 
 
-@functools.lru_cache(maxsize=1)
-def _native() -> bool:
-    """Inline PTX runs only in compiled kernels, never under the Triton interpreter (whose flag Triton
-    fixes when the kernels are defined, so it is read once)."""
-    return os.environ.get("TRITON_INTERPRET", "0") != "1"
+def reads_act_amax(qweight: torch.Tensor, scheme: str, act_quant: str | None) -> bool:
+    """Whether `qgemv` of these weights takes the integer-dot kernel, the one that reads act_amax."""
+    if act_quant != "int8_token":
+        return False
+    from kernels import triton_qgemv_w8a8
+
+    return triton_qgemv_w8a8.supported(qweight, scheme)
 
 
 def check_weights(qweight: torch.Tensor, scale: torch.Tensor, row_block, scheme: str) -> None:
@@ -224,11 +224,10 @@ def qgemv(
         out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     if n == 0:
         return out
-    if act_quant == "int8_token":
+    if reads_act_amax(qweight, scheme, act_quant):
         from kernels import triton_qgemv_w8a8
 
-        if triton_qgemv_w8a8.supported(qweight, scheme):
-            return triton_qgemv_w8a8.w8a8_gemv(x, qweight, scale, bias, out, act_amax)
+        return triton_qgemv_w8a8.w8a8_gemv(x, qweight, scale, bias, out, act_amax)
     block_n, block_k, stages, warps = qgemv_config(n, k, _sm_count(x.device))
     pdl = pdl_enabled(x.device)
     prefetch = 2 if k >= 2 * block_k and block_n * block_k <= MAX_PREFETCH_BYTES else 1
@@ -238,6 +237,6 @@ def qgemv(
         n, k, triton.cdiv(k, SCALE_BLOCK), qweight.stride(0), scale.stride(0),
         BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_SCALES=blocks, INT8=qweight.dtype == torch.int8,
         HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, PREFETCH=prefetch, USE_PDL=pdl,
-        PRMT=PRMT_INT8 and _native(), num_warps=warps, num_stages=stages, launch_pdl=pdl,
+        PRMT=PRMT_INT8 and not pdl_interpreting(), num_warps=warps, num_stages=stages, launch_pdl=pdl,
     )  # fmt: skip
     return out

@@ -31,9 +31,9 @@ import triton
 import triton.language as tl
 
 from kernels.pdl import enabled as pdl_enabled
-from kernels.pdl import wait_for_inputs
+from kernels.pdl import interpreting, wait_for_inputs
 from kernels.triton_gemv import LONG_K, _sm_count
-from kernels.triton_qgemv import _native, qgemv_config
+from kernels.triton_qgemv import qgemv_config
 
 QMAX = tl.constexpr(127.0)
 SCALE_MIN = tl.constexpr(1e-12)  # kernels.torch_ops.ACT_SCALE_MIN
@@ -155,7 +155,7 @@ def w8a8_gemv(
         x, qweight, scale, bias if bias is not None else out, out, act_amax if partials else scale,
         n, k, qweight.stride(0), partials,
         BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0,
-        PARTIALS=triton.next_power_of_2(partials) if partials else 0, USE_PDL=pdl, NATIVE=_native(),
+        PARTIALS=triton.next_power_of_2(partials) if partials else 0, USE_PDL=pdl, NATIVE=not interpreting(),
         num_warps=warps, num_stages=stages, launch_pdl=pdl,
     )  # fmt: skip
     return out

@@ -85,9 +85,9 @@ class QuantLinear(nn.Module):
 
     @property
     def takes_act_amax(self) -> bool:
-        """Whether a single row's GEMV reads amax from its producer (int8 weights, per-token int8
-        activations: the DP4A kernel), so a producer that can should write it."""
-        return self.act_quant == "int8_token" and self.qweight.dtype == torch.int8 and self.scheme == "channel"
+        """Whether a single row's GEMV reads amax from its producer (the DP4A kernel), so a producer that
+        can should write it."""
+        return ops.quant_gemv_reads_act_amax(self.qweight, self.scheme, self.act_quant)
 
     def extra_repr(self) -> str:
         return (
