@@ -22,11 +22,24 @@ from benchmarks.common import environment, git_commit, write_report
 from benchmarks.quant_decode import ROOT, checkpoint
 from benchmarks.quant_sweep import patched
 
-# format -> [(label, {"module.CONSTANT": value})]; "w8" is kernels.triton_qgemv_w8a8, "qv" triton_qgemv,
-# "qm" triton_qgemm, "QuantLinear" the class engine.models.quant_linear.QuantLinear
+# format -> [(label, {"module.CONSTANT": value})]; "tg" is kernels.triton_gemv, "w8" triton_qgemv_w8a8,
+# "qv" triton_qgemv, "qm" triton_qgemm, "tn" triton_norm, "da" triton_decode_attention, "QuantLinear"
+# the class engine.models.quant_linear.QuantLinear
+# Each kernel before a GEMV lets it launch before its own wait (RELEASE_FIRST), and gate|up's GEMV applies
+# the activation (GATED_EPILOGUE); the variants turn these off.
+GEMVS_LATE = {"tg.RELEASE_FIRST": False, "qv.RELEASE_FIRST": False}
+LATE = {**GEMVS_LATE, "tn.RELEASE_FIRST": False, "da.RELEASE_FIRST": False}
+UNFUSED = {"tg.GATED_EPILOGUE": False, "qv.GATED_EPILOGUE": False}
 GEMV_VARIANTS = {
-    "bf16": [("bf16 GEMV", {})],
-    "fp8-block": [("fp8 GEMV", {})],
+    **{
+        fmt: [
+            (f"{fmt} GEMV (default)", {}),
+            ("GEMVs release their successor after their wait", GEMVS_LATE),
+            ("every kernel releases its successor after its wait", LATE),
+            ("... and a separate activation kernel (the kernels of dc809bc)", {**LATE, **UNFUSED}),
+        ]
+        for fmt in ("bf16", "fp8-block", "fp8-channel")
+    },
     "int8": [
         ("W8A8 DP4A GEMV (default)", {}),
         ("W8A8 DP4A GEMV, float-GEMV tiles", {"w8.MAX_WIDE_PROGRAMS_PER_SM": 0}),

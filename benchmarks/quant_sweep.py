@@ -69,9 +69,24 @@ GEMM = [
 def patched(patches: dict):
     """Set module constants (or class attributes) for one variant; returns the undo."""
     from engine.models.quant_linear import QuantLinear
-    from kernels import triton_qgemm, triton_qgemv, triton_qgemv_w8a8
+    from kernels import (
+        triton_decode_attention,
+        triton_gemv,
+        triton_norm,
+        triton_qgemm,
+        triton_qgemv,
+        triton_qgemv_w8a8,
+    )
 
-    mods = {"qv": triton_qgemv, "qm": triton_qgemm, "w8": triton_qgemv_w8a8, "QuantLinear": QuantLinear}
+    mods = {
+        "qv": triton_qgemv,
+        "qm": triton_qgemm,
+        "w8": triton_qgemv_w8a8,
+        "tg": triton_gemv,
+        "tn": triton_norm,
+        "da": triton_decode_attention,
+        "QuantLinear": QuantLinear,
+    }
     old = {}
     for key, value in patches.items():
         mod, name = key.split(".")

@@ -58,6 +58,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return torch.nn.functional.linear(x, weight, bias)
 
 
+def gated_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gelu_tanh: bool
+) -> torch.Tensor:
+    """act(gate) * up [..., I] of x's [gate | up] projection weight [2I, K] (silu, or gelu_tanh). A single
+    bf16/fp16 row takes the GEMV with the activation as its epilogue (triton_gemv.gemv_gated)."""
+    if _use_gemv(x, weight, bias):
+        from kernels import triton_gemv
+
+        if triton_gemv.GATED_EPILOGUE and weight.shape[0] % 2 == 0:
+            y = triton_gemv.gemv_gated(x.reshape(1, -1).contiguous(), weight, bias, gelu_tanh)
+            return y.reshape(*x.shape[:-1], y.shape[-1])
+    h = linear(x, weight, bias)
+    return gelu_tanh_and_mul(h) if gelu_tanh else silu_and_mul(h)
+
+
 def quant_gemv_reads_act_amax(qweight: torch.Tensor, scheme: str, act_quant: str | None) -> bool:
     """Whether quant_linear of one row reads `act_amax` (the integer-dot GEMV), so x's producer should
     write it (kernels.triton_qgemv.reads_act_amax)."""
@@ -102,6 +117,30 @@ def quant_linear(
 
         y = triton_qgemm.qgemm(x2d, qweight, scale, row_block, bias, scheme, act_quant)
     return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def quant_gated_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scale: torch.Tensor,
+    row_block: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    scheme: str,
+    act_quant: str | None,
+    gelu_tanh: bool,
+) -> torch.Tensor:
+    """act(gate) * up [..., I] of x's quantised [gate | up] projection [2I, K] (silu, or gelu_tanh).
+    On CUDA one row whose GEMV dequantises in registers (triton_qgemv.fuses_gated) takes the GEMV with
+    the activation as its epilogue, unrounded in between; otherwise quant_linear, then the activation."""
+    if use_triton(x) and x.numel() == x.shape[-1]:
+        from kernels import triton_qgemv
+
+        if triton_qgemv.fuses_gated(qweight, scheme, act_quant):
+            row = x.reshape(1, -1).contiguous()
+            y = triton_qgemv.qgemv_gated(row, qweight, scale, row_block, bias, scheme, gelu_tanh)
+            return y.reshape(*x.shape[:-1], y.shape[-1])
+    h = quant_linear(x, qweight, scale, row_block, bias, scheme, act_quant)
+    return gelu_tanh_and_mul(h) if gelu_tanh else silu_and_mul(h)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_offset: float = 0.0) -> torch.Tensor:

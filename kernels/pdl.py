@@ -45,8 +45,16 @@ def enabled(device: torch.device) -> bool:
 
 
 @triton.jit
-def wait_for_inputs(USE_PDL: tl.constexpr):
-    """Block until the previous kernels' writes are visible, then let the next kernel launch early."""
+def wait_for_inputs(USE_PDL: tl.constexpr, RELEASE_FIRST: tl.constexpr = False):
+    """Block until the previous kernels' writes are visible, then let the next kernel launch early.
+
+    RELEASE_FIRST lets the next kernel launch before the wait instead: for a short kernel followed by a
+    GEMV, whose weight loads then overlap the kernel before this one, not only this one. The chain
+    stays safe: the next kernel's own wait returns only once this kernel has completed, which is after
+    this kernel's wait, so every earlier kernel has completed too."""
     if USE_PDL:
+        if RELEASE_FIRST:
+            tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        if not RELEASE_FIRST:
+            tl.extra.cuda.gdc_launch_dependents()

@@ -38,6 +38,7 @@ PROGRAMS_PER_SM = 4  # enough resident CTAs to keep HBM busy while each waits on
 MERGE_TILE = 8192  # fp32 partial-output values the merging program loads at once ([G, S, D] tile)
 MIN_SPLITS = 3  # below this many, one split: at batch 64 x 8 KV heads unsplit measured faster (H200)
 INTERPRETER_SMS = 2  # stand-in SM count under TRITON_INTERPRET (CPU tensors): still yields splits
+RELEASE_FIRST = True  # o_proj launches before the wait: its weight loads overlap the kernel before (pdl)
 
 
 # Runtime ints that vary per layer or per shape are not specialised, so no value triggers a recompile.
@@ -49,8 +50,9 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr,
     DIRECT: tl.constexpr, MERGE_G: tl.constexpr, MERGE_S: tl.constexpr, USE_PDL: tl.constexpr,
+    RELEASE_FIRST: tl.constexpr,
 ):  # fmt: skip
-    wait_for_inputs(USE_PDL)
+    wait_for_inputs(USE_PDL, RELEASE_FIRST)
     b = tl.program_id(0).to(tl.int64)
     kh = tl.program_id(1)
     split = tl.program_id(2)
@@ -241,6 +243,6 @@ def decode_attention(
         PAGE=page, BLOCK_N=block_n, HAS_SOFTCAP=softcap is not None,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         DIRECT=num_splits == 1, MERGE_G=merge_g, MERGE_S=max(1, MERGE_TILE // (merge_g * block_d)),
-        USE_PDL=pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
+        USE_PDL=pdl, RELEASE_FIRST=RELEASE_FIRST, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
     )  # fmt: skip
     return out

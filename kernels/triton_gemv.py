@@ -25,6 +25,7 @@ import triton.language as tl
 
 from kernels.pdl import enabled as pdl_enabled
 from kernels.pdl import wait_for_inputs
+from kernels.triton_act import gated
 
 # (BLOCK_K, num_stages, MAX_BLOCK_N): short rows take 2 KiB of 4 rows per tile; long rows (K >= LONG_K,
 # e.g. down_proj of an 8B model) take 1 KiB of up to 16 rows, 4 tiles deep.
@@ -35,6 +36,8 @@ NUM_WARPS = 4
 MIN_PROGRAMS_PER_SM = 2
 INTERPRETER_SMS = 2
 MAX_PREFETCH_ELEMS = 4096  # a W tile this small is fetched two deep before the PDL wait
+GATED_EPILOGUE = True  # gate|up's batch-1 GEMV applies the gated activation itself (gemv_gated)
+RELEASE_FIRST = True  # the next kernel launches before this one's wait (kernels.pdl.wait_for_inputs)
 
 
 @triton.jit
@@ -55,13 +58,18 @@ def _x_tile(x_ptr, cols, k0, K, EVEN_K: tl.constexpr):
 def _gemv_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, N, K, stride_wn,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-    PREFETCH: tl.constexpr, USE_PDL: tl.constexpr,
+    PREFETCH: tl.constexpr, USE_PDL: tl.constexpr, GATED: tl.constexpr = False,
+    GELU_TANH: tl.constexpr = False, RELEASE_FIRST: tl.constexpr = False,
 ):  # fmt: skip
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_K)
     # The last tile re-reads row N-1 instead of masking rows, so every W load is an unpredicated
     # 16-byte copy; the store masks those lanes.
-    w_rows = tl.minimum(rows, N - 1).to(tl.int64)
+    if GATED:  # tile row r: gate row j = t * BLOCK_N / 2 + r // 2 (even r) or up row N / 2 + j (odd r)
+        rows = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N) // 2
+        w_rows = (tl.minimum(rows, N // 2 - 1) + (tl.arange(0, BLOCK_N) % 2) * (N // 2)).to(tl.int64)
+    else:
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        w_rows = tl.minimum(rows, N - 1).to(tl.int64)
     w_ptrs = w_ptr + w_rows[:, None] * stride_wn + cols[None, :]
     # The first PREFETCH tiles are peeled: W is never written during a step, so their loads are issued
     # before waiting for the previous kernel (which produces x), and the weight stream starts while that
@@ -69,7 +77,7 @@ def _gemv_kernel(
     w = _w_tile(w_ptrs, cols, 0, K, EVEN_K)
     if PREFETCH == 2:
         w1 = _w_tile(w_ptrs, cols, BLOCK_K, K, EVEN_K)
-    wait_for_inputs(USE_PDL)
+    wait_for_inputs(USE_PDL, RELEASE_FIRST)
     acc = w.to(tl.float32) * _x_tile(x_ptr, cols, 0, K, EVEN_K)[None, :]
     if PREFETCH == 2:
         acc += w1.to(tl.float32) * _x_tile(x_ptr, cols, BLOCK_K, K, EVEN_K)[None, :]
@@ -79,7 +87,12 @@ def _gemv_kernel(
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(bias_ptr + w_rows).to(tl.float32)
-    tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=rows < N)
+    if GATED:  # act(gate) * up of each (gate, up) row pair, in fp32: the projection is never rounded
+        gate, up = tl.split(tl.reshape(y, (BLOCK_N // 2, 2)))
+        j = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        tl.store(out_ptr + j, gated(gate, up, GELU_TANH).to(out_ptr.dtype.element_ty), mask=j < N // 2)
+    else:
+        tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=rows < N)
 
 
 @functools.lru_cache(maxsize=8)
@@ -102,24 +115,56 @@ def gemv(
     x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """x [1, K] (or [K]) @ w [N, K]^T (+ bias) -> [1, N] (or [N]) in x's dtype; fp32 accumulation."""
-    if x.shape[-1] != w.shape[1] or x.numel() != w.shape[1] or w.dim() != 2:
-        raise ValueError(f"gemv: x {tuple(x.shape)} must hold one row of {w.shape[1]} for w {tuple(w.shape)}")
-    if not x.is_contiguous() or w.stride(1) != 1 or x.dtype != w.dtype:
-        raise ValueError("gemv: x must be contiguous, w's rows contiguous, both of one dtype")
-    n, k = w.shape
+    n = _check_inputs("gemv", x, w, bias)
     if out is None:
         out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
+    return _launch(x, w, bias, out) if n else out
+
+
+def gemv_gated(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None,
+    gelu_tanh: bool,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """act(x @ w_gate^T) * (x @ w_up^T) -> [1, I] (or [I]) for w = [gate | up] [2I, K]: gate|up's GEMV
+    with the gated activation (silu, or gelu_tanh) as its epilogue, from the fp32 sums. Each program
+    reads matching gate and up rows, so no activation kernel runs between gate|up and down_proj."""
+    n = _check_inputs("gemv_gated", x, w, bias)
+    if n % 2:
+        raise ValueError(f"gemv_gated: w has {n} rows; [gate | up] needs an even number")
+    if out is None:
+        out = torch.empty((*x.shape[:-1], n // 2), dtype=x.dtype, device=x.device)
+    return _launch(x, w, bias, out, gelu_tanh) if n else out
+
+
+def _check_inputs(name: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> int:
+    if x.shape[-1] != w.shape[1] or x.numel() != w.shape[1] or w.dim() != 2:
+        raise ValueError(
+            f"{name}: x {tuple(x.shape)} must hold one row of {w.shape[1]} for w {tuple(w.shape)}"
+        )
+    if not x.is_contiguous() or w.stride(1) != 1 or x.dtype != w.dtype:
+        raise ValueError(f"{name}: x must be contiguous, w's rows contiguous, both of one dtype")
+    n = w.shape[0]
     if bias is not None and (bias.shape != (n,) or not bias.is_contiguous()):
-        raise ValueError(f"gemv: bias must be a contiguous [{n}] vector, got {tuple(bias.shape)}")
-    if n == 0:
-        return out
+        raise ValueError(f"{name}: bias must be a contiguous [{n}] vector, got {tuple(bias.shape)}")
+    return n
+
+
+def _launch(x, w, bias, out, gelu_tanh: bool | None = None) -> torch.Tensor:
+    """gelu_tanh not None: the gated epilogue, tile rows in (gate, up) pairs (BLOCK_N at least 2)."""
+    n, k = w.shape
     block_n, block_k, stages = gemv_config(n, k, _sm_count(x.device))
+    if gelu_tanh is not None:
+        block_n = max(block_n, 2)
     pdl = pdl_enabled(x.device)
     # Two tiles ahead while small (16 KiB per program in registers), one for the big long-row tiles.
     prefetch = 2 if k >= 2 * block_k and block_n * block_k <= MAX_PREFETCH_ELEMS else 1
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, w, bias if bias is not None else out, out, n, k, w.stride(0),
         BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0,
-        PREFETCH=prefetch, USE_PDL=pdl, num_warps=NUM_WARPS, num_stages=stages, launch_pdl=pdl,
+        PREFETCH=prefetch, USE_PDL=pdl, GATED=gelu_tanh is not None, GELU_TANH=bool(gelu_tanh),
+        num_warps=NUM_WARPS, num_stages=stages, RELEASE_FIRST=RELEASE_FIRST, launch_pdl=pdl,
     )  # fmt: skip
     return out

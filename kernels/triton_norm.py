@@ -15,6 +15,9 @@ from kernels.pdl import enabled as pdl_enabled
 from kernels.pdl import wait_for_inputs
 
 MAX_HIDDEN = 65536
+# Let the next kernel (a GEMV at batch 1) launch before the wait, so its first weight tiles load while
+# the kernel before this one still runs (kernels.pdl.wait_for_inputs)
+RELEASE_FIRST = True
 
 
 @triton.jit
@@ -34,12 +37,13 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
+    RELEASE_FIRST: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)  # int64: row * stride may exceed 2**31 for long batches
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # a weight: safe before the wait
-    wait_for_inputs(USE_PDL)
+    wait_for_inputs(USE_PDL, RELEASE_FIRST)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
@@ -88,7 +92,8 @@ def _launch(x, residual, weight, eps, weight_offset, out=None, residual_out=None
         x2, res2, weight, out2, res_out2,
         x2.stride(0), res2.stride(0), out2.stride(0), res_out2.stride(0),
         n, eps, weight_offset,
-        HAS_RESIDUAL=residual is not None, BLOCK=block, USE_PDL=pdl, num_warps=num_warps, launch_pdl=pdl,
+        HAS_RESIDUAL=residual is not None, BLOCK=block, USE_PDL=pdl, RELEASE_FIRST=RELEASE_FIRST,
+        num_warps=num_warps, launch_pdl=pdl,
     )  # fmt: skip
     return out, res_out
 

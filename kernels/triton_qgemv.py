@@ -25,7 +25,10 @@ The design is kernels/triton_gemv.py's, fed half the bytes per element:
   * "channel" multiplies the final row sum by scale[n] (one multiply per output);
   * the last row tile re-reads row N-1 instead of masking (unpredicated loads; the store masks);
   * programmatic dependent launch (kernels.pdl): the first one or two weight tiles, their scales and
-    row_block are read before waiting for the kernel that writes x.
+    row_block are read before waiting for the kernel that writes x;
+  * gate|up (qgemv_gated): a tile's rows pair gate row j with up row I + j, and the epilogue writes
+    act(gate) * up from the fp32 sums. The activation kernel and its launch between gate|up and
+    down_proj go away; the grid and tiles are those of the plain [2I, K] GEMV.
 Configs are fixed per shape (qgemv_config, no autotune), so a warm-up call compiles every variant before
 CUDA-graph capture. Twin: kernels.torch_ops.quant_linear with act_quant None.
 """
@@ -39,6 +42,7 @@ import triton.language as tl
 from kernels.pdl import enabled as pdl_enabled
 from kernels.pdl import interpreting as pdl_interpreting
 from kernels.pdl import wait_for_inputs
+from kernels.triton_act import gated
 from kernels.triton_gemv import LONG_K, MIN_PROGRAMS_PER_SM, _sm_count
 
 # (BLOCK_K, num_stages, MAX_BLOCK_N, num_warps): 2 KiB of up to 8 rows per tile; long rows (K >= LONG_K,
@@ -51,6 +55,9 @@ SCALE_BLOCK = 128  # the block scheme's square block edge
 MAX_PREFETCH_BYTES = 8192  # a W tile this small is fetched two deep before the PDL wait
 PRMT_INT8 = True  # int8 weights converted four at a time by inline PTX (never under the interpreter)
 WEIGHT_DTYPES = (torch.float8_e4m3fn, torch.int8)
+# gate|up's batch-1 GEMV applies the gated activation itself (qgemv_gated; ops.quant_gated_linear)
+GATED_EPILOGUE = True
+RELEASE_FIRST = True  # the next kernel launches before this one's wait (kernels.pdl.wait_for_inputs)
 
 
 @triton.jit
@@ -127,11 +134,17 @@ def _qgemv_kernel(
     x_ptr, w_ptr, s_ptr, rb_ptr, bias_ptr, out_ptr, N, K, KB, stride_wn, stride_s,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_SCALES: tl.constexpr, INT8: tl.constexpr,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, USE_PDL: tl.constexpr,
-    PRMT: tl.constexpr,
+    PRMT: tl.constexpr, GATED: tl.constexpr = False, GELU_TANH: tl.constexpr = False,
+    RELEASE_FIRST: tl.constexpr = False,
 ):  # fmt: skip
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_K)
-    w_rows = tl.minimum(rows, N - 1).to(tl.int64)
+    if GATED:  # tile row r: gate row j = t * BLOCK_N / 2 + r // 2 (even r) or up row N / 2 + j (odd r)
+        half = N // 2
+        rows = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N) // 2
+        w_rows = (tl.minimum(rows, half - 1) + (tl.arange(0, BLOCK_N) % 2) * half).to(tl.int64)
+    else:
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        w_rows = tl.minimum(rows, N - 1).to(tl.int64)
     w_ptrs = w_ptr + w_rows[:, None] * stride_wn + cols[None, :]
     s_ptrs = s_ptr
     if BLOCK_SCALES:  # scale rows come from row_block, never from n // 128
@@ -143,7 +156,7 @@ def _qgemv_kernel(
     if PREFETCH == 2:
         w1 = _w_tile(w_ptrs, cols, BLOCK_K, K, EVEN_K)
         s1 = _s_tile(s_ptrs, BLOCK_K, KB, BLOCK_N, BLOCK_K, BLOCK_SCALES, EVEN_K)
-    wait_for_inputs(USE_PDL)
+    wait_for_inputs(USE_PDL, RELEASE_FIRST)
     acc = _tile_sums(w, s, x_ptr, 0, K, BLOCK_N, BLOCK_K, BLOCK_SCALES, INT8, EVEN_K, PRMT)
     if PREFETCH == 2:
         acc += _tile_sums(w1, s1, x_ptr, BLOCK_K, K, BLOCK_N, BLOCK_K, BLOCK_SCALES, INT8, EVEN_K, PRMT)
@@ -156,7 +169,12 @@ def _qgemv_kernel(
         y *= tl.load(s_ptr + w_rows)
     if HAS_BIAS:
         y += tl.load(bias_ptr + w_rows).to(tl.float32)
-    tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=rows < N)
+    if GATED:  # act(gate) * up of each (gate, up) row pair, in fp32: the projection is never rounded
+        gate, up = tl.split(tl.reshape(y, (BLOCK_N // 2, 2)))
+        j = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        tl.store(out_ptr + j, gated(gate, up, GELU_TANH).to(out_ptr.dtype.element_ty), mask=j < N // 2)
+    else:
+        tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=rows < N)
 
 
 def qgemv_config(n: int, k: int, sm_count: int) -> tuple[int, int, int, int]:
@@ -199,6 +217,17 @@ def check_weights(qweight: torch.Tensor, scale: torch.Tensor, row_block, scheme:
         raise ValueError(f"unknown scheme {scheme!r} (channel, block)")
 
 
+def _check_inputs(name: str, x, qweight, scale, row_block, bias, scheme: str) -> int:
+    """Raise ValueError unless x is one contiguous row and the weights follow the contract; returns N."""
+    check_weights(qweight, scale, row_block, scheme)
+    n, k = qweight.shape
+    if x.shape[-1] != k or x.numel() != k or not x.is_contiguous():
+        raise ValueError(f"{name}: x {tuple(x.shape)} must be one contiguous row of {k}")
+    if bias is not None and (bias.shape != (n,) or not bias.is_contiguous()):
+        raise ValueError(f"{name}: bias must be a contiguous [{n}] vector, got {tuple(bias.shape)}")
+    return n
+
+
 def qgemv(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -214,12 +243,7 @@ def qgemv(
     x stays exact, except that act_quant "int8_token" on int8 channel weights quantises it as the twin
     does and takes the integer-dot kernel (kernels/triton_qgemv_w8a8.py), which reads x's amax from
     act_amax (partial maxima from x's producer) when given."""
-    check_weights(qweight, scale, row_block, scheme)
-    n, k = qweight.shape
-    if x.shape[-1] != k or x.numel() != k or not x.is_contiguous():
-        raise ValueError(f"qgemv: x {tuple(x.shape)} must be one contiguous row of {k}")
-    if bias is not None and (bias.shape != (n,) or not bias.is_contiguous()):
-        raise ValueError(f"qgemv: bias must be a contiguous [{n}] vector, got {tuple(bias.shape)}")
+    n = _check_inputs("qgemv", x, qweight, scale, row_block, bias, scheme)
     if out is None:
         out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     if n == 0:
@@ -228,7 +252,44 @@ def qgemv(
         from kernels import triton_qgemv_w8a8
 
         return triton_qgemv_w8a8.w8a8_gemv(x, qweight, scale, bias, out, act_amax)
+    return _launch(x, qweight, scale, row_block, bias, scheme, out)
+
+
+def fuses_gated(qweight: torch.Tensor, scheme: str, act_quant: str | None) -> bool:
+    """Whether `qgemv_gated` takes this [gate | up] projection: not when its one row goes to the
+    integer-dot kernel instead (GATED_EPILOGUE off: never)."""
+    return GATED_EPILOGUE and qweight.shape[0] % 2 == 0 and not reads_act_amax(qweight, scheme, act_quant)
+
+
+def qgemv_gated(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scale: torch.Tensor,
+    row_block: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    scheme: str,
+    gelu_tanh: bool,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """act(x @ deq(W_gate)^T) * (x @ deq(W_up)^T) -> [1, I] (or [I]) for qweight = [gate | up] [2I, K]:
+    the batch-1 GEMV of gate|up with the gated activation (silu, or gelu_tanh) as its epilogue, so no
+    activation kernel runs between it and down_proj. Each program reads matching gate and up rows."""
+    n = _check_inputs("qgemv_gated", x, qweight, scale, row_block, bias, scheme)
+    if n % 2:
+        raise ValueError(f"qgemv_gated: qweight has {n} rows; [gate | up] needs an even number")
+    if out is None:
+        out = torch.empty((*x.shape[:-1], n // 2), dtype=x.dtype, device=x.device)
+    if n == 0:
+        return out
+    return _launch(x, qweight, scale, row_block, bias, scheme, out, gelu_tanh)
+
+
+def _launch(x, qweight, scale, row_block, bias, scheme: str, out, gelu_tanh: bool | None = None):
+    """The float GEMV's launch; gelu_tanh not None: the gated epilogue (tile rows in gate/up pairs)."""
+    n, k = qweight.shape
     block_n, block_k, stages, warps = qgemv_config(n, k, _sm_count(x.device))
+    if gelu_tanh is not None:
+        block_n = max(block_n, 2)
     pdl = pdl_enabled(x.device)
     prefetch = 2 if k >= 2 * block_k and block_n * block_k <= MAX_PREFETCH_BYTES else 1
     blocks = scheme == "block"
@@ -237,6 +298,7 @@ def qgemv(
         n, k, triton.cdiv(k, SCALE_BLOCK), qweight.stride(0), scale.stride(0),
         BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_SCALES=blocks, INT8=qweight.dtype == torch.int8,
         HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, PREFETCH=prefetch, USE_PDL=pdl,
-        PRMT=PRMT_INT8 and not pdl_interpreting(), num_warps=warps, num_stages=stages, launch_pdl=pdl,
+        PRMT=PRMT_INT8 and not pdl_interpreting(), GATED=gelu_tanh is not None, GELU_TANH=bool(gelu_tanh),
+        num_warps=warps, num_stages=stages, RELEASE_FIRST=RELEASE_FIRST, launch_pdl=pdl,
     )  # fmt: skip
     return out

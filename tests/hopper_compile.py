@@ -153,14 +153,15 @@ def ptxas_registers(ptx: str) -> tuple[int, int] | None:
 
 
 def gemv() -> int:
-    """Both GEMV tile configs (short and long rows) and a bias / masked-K variant."""
+    """Both GEMV tile configs (short and long rows), a bias / masked-K variant and gate|up's gated one."""
     from kernels import triton_gemv as tg
 
     for k, n, bias in [(4096, 6144, False), (14336, 4096, False), (4160, 1040, True)]:
         b = torch.randn(n, **BF16) if bias else None
         tg.gemv(torch.randn(1, k, **BF16), torch.randn(n, k, **BF16), b)
+    tg.gemv_gated(torch.randn(1, 4096, **BF16), torch.randn(28672, 4096, **BF16), None, False)
     compiled = _compiled(tg._gemv_kernel)
-    failures = int(len(compiled) < 3)
+    failures = int(len(compiled) < 4)
     print(f"{'variant':<10}{'smem':>8}  {'registers':<22}checks")
     for i, kern in enumerate(compiled):
         regs = ptxas_registers(kern.asm["ptx"])

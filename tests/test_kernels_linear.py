@@ -62,6 +62,30 @@ def test_matches_torch_interpreted(dtype, n: int, k: int) -> None:
         torch.testing.assert_close(got.double(), _reference(x, w, b), atol=tol * k**0.5, rtol=tol)
 
 
+def _gated_reference(x, w, bias, gelu_tanh: bool) -> torch.Tensor:
+    h = _reference(x, w, bias)
+    g, u = h.chunk(2, dim=-1)
+    return (torch.nn.functional.gelu(g, approximate="tanh") if gelu_tanh else torch.nn.functional.silu(g)) * u
+
+
+@interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("inter,k", [(50, 300), (37, 1000), (3, 12288 + 40)])
+@pytest.mark.parametrize("gelu_tanh", [False, True])
+def test_gated_matches_torch_interpreted(dtype, inter: int, k: int, gelu_tanh: bool) -> None:
+    """gate|up with the activation as the epilogue: the last tile pairs rows past I (odd I), a masked K
+    tile, the long-row config; against fp64 act(gate) * up, and the bias of each half applied."""
+    x, w = _rand(1, k, seed=1, dtype=dtype) * 0.1, _rand(2 * inter, k, seed=2, dtype=dtype)
+    bias = _rand(2 * inter, seed=3, dtype=dtype)
+    for b in (None, bias):
+        out = torch.full((1, inter), float("nan"), dtype=dtype)
+        assert tg.gemv_gated(x, w, b, gelu_tanh, out=out) is out
+        ref = _gated_reference(x, w, b, gelu_tanh)
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        scale = float(_reference(x, w, b).abs().max())  # the error grows with |gate| and |up|
+        torch.testing.assert_close(out.double(), ref, atol=tol * k**0.5 * scale, rtol=tol)
+
+
 def test_config_fills_the_gpu_from_shapes() -> None:
     """BLOCK_N shrinks until the grid has MIN_PROGRAMS_PER_SM programs per SM; the K tile follows K."""
     sms = 132
@@ -82,6 +106,8 @@ def test_rejects_bad_inputs() -> None:
         tg.gemv(torch.zeros(1, 32), w, bias=torch.zeros(63))
     with pytest.raises(ValueError, match="one row of 32"):
         tg.gemv(torch.zeros(1, 64), w)
+    with pytest.raises(ValueError, match="even number"):
+        tg.gemv_gated(torch.zeros(1, 32), torch.zeros(63, 32), None, False)
 
 
 @interp
@@ -123,6 +149,19 @@ def test_real_shapes_bf16(name: str) -> None:
     got = tg.gemv(x, w, out=out)
     ref = torch.nn.functional.linear(x.float(), w.float())  # fp32 on the GPU: fp64 would be slow at 1 GB
     torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA_OK, reason="needs CUDA")
+@pytest.mark.parametrize("name", ["8b gate_up", "1b gate_up"])
+def test_gated_real_shapes_bf16(name: str) -> None:
+    """gate|up's GEMV with the silu epilogue against fp32 silu(gate) * up on the GPU."""
+    k, n = SHAPES[name]
+    x = _rand(1, k, seed=10, dtype=torch.bfloat16, device="cuda")
+    w = _rand(n, k, seed=11, dtype=torch.bfloat16, device="cuda") * k**-0.5
+    got = tg.gemv_gated(x, w, None, False)
+    g, u = torch.nn.functional.linear(x.float(), w.float()).chunk(2, dim=-1)
+    torch.testing.assert_close(got.float(), torch.nn.functional.silu(g) * u, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.gpu

@@ -33,7 +33,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels import ops  # noqa: E402
+from kernels import ops, torch_ops  # noqa: E402
 from kernels import triton_qgemm as tq  # noqa: E402
 from kernels import triton_qgemv as tv  # noqa: E402
 from kernels import triton_qgemv_w8a8 as w8  # noqa: E402
@@ -122,6 +122,37 @@ def test_qgemv_interpreted(wdtype, scheme, shards, k: int, with_bias: bool) -> N
     out = torch.full((1, q.shape[0]), float("nan"))
     assert tv.qgemv(x, q, scale, row_block, bias, scheme, out=out) is out
     check(out, x, q, scale, row_block, bias, None, ATOL_INTERP)
+
+
+def gated_reference(x, q, scale, row_block, bias, gelu_tanh: bool) -> tuple[torch.Tensor, float]:
+    """fp64 act(gate) * up of x's [gate | up] projection, and the error scale: the projection's
+    magnitude (sum_k |x_k w_nk|) times the largest |d output / d projection|."""
+    h, mag = reference(x.reshape(1, -1), q, scale, row_block, bias, None)
+    g, u = h.chunk(2, dim=-1)
+    act = torch.nn.functional.gelu(g, approximate="tanh") if gelu_tanh else torch.nn.functional.silu(g)
+    slope = float(u.abs().max()) * 1.2 + float(act.abs().max())
+    return act * u, float(mag.max()) * max(slope, 1.0)
+
+
+@interp
+@pytest.mark.parametrize("wdtype", [FP8, INT8], ids=["fp8", "int8"])
+@pytest.mark.parametrize("scheme", ["channel", "block"])
+@pytest.mark.parametrize("inter,k", [(150, 192), (37, 4224), (9, 12288 + 200)])
+@pytest.mark.parametrize("gelu_tanh,with_bias", [(False, False), (True, True)])
+def test_qgemv_gated_interpreted(wdtype, scheme, inter: int, k: int, gelu_tanh: bool, with_bias) -> None:
+    """gate|up with the activation as the GEMV's epilogue: gate and up shards whose 128-row scale
+    blocks end mid-tile (150), a grid whose last tile pairs rows past I (37, 9), prefetched and long K."""
+    q, scale, row_block = make_weights((inter, inter), k, wdtype, scheme, seed=inter + k)
+    x = torch.randn(1, k, generator=_gen(3)) * 0.05
+    bias = torch.randn(2 * inter, generator=_gen(4)) if with_bias else None
+    out = torch.full((1, inter), float("nan"))
+    assert tv.qgemv_gated(x, q, scale, row_block, bias, scheme, gelu_tanh, out=out) is out
+    ref, err_scale = gated_reference(x, q, scale, row_block, bias, gelu_tanh)
+    assert not out.isnan().any(), "an output was never written"
+    torch.testing.assert_close(out.double(), ref, atol=ATOL_INTERP * err_scale, rtol=ATOL_INTERP)
+    plain = tv.qgemv(x, q, scale, row_block, bias, scheme)  # the unfused path within fp32 rounding
+    unfused = (torch_ops.gelu_tanh_and_mul if gelu_tanh else torch_ops.silu_and_mul)(plain)
+    torch.testing.assert_close(out, unfused, atol=1e-5 * err_scale, rtol=1e-5)
 
 
 @interp
@@ -317,6 +348,10 @@ def test_gpu_shapes_bf16(name: str, wdtype, scheme: str) -> None:
     if wdtype == INT8:  # "int8_token" at M = 1: the DP4A kernel for "channel", else the float GEMV
         out = tv.qgemv(x[:1], q, scale, row_block, bias, scheme, act_quant="int8_token")
         check(out, x[:1], q, scale, row_block, bias, "int8_token" if scheme == "channel" else None, 2e-2)
+    if name == "8b gate_up":  # the same weights with the activation as the GEMV's epilogue
+        ref, err_scale = gated_reference(x[:1], q, scale, row_block, bias, False)
+        got = tv.qgemv_gated(x[:1], q, scale, row_block, bias, scheme, False)
+        torch.testing.assert_close(got.double(), ref, atol=2e-2 * err_scale, rtol=2e-2)
     for act in [a for w, a in PAIRS if w == wdtype]:
         for m in (3, 64, 300):
             out = tq.qgemm(x[:m], q, scale, row_block, bias, scheme, act)
@@ -361,6 +396,8 @@ def _hopper_build() -> int:
             x = torch.randn(m, k, dtype=torch.bfloat16)
             if m == 1 and act in (None, "int8_token"):
                 tv.qgemv(x, *w, None, scheme, act_quant=act)
+            if m == 1 and act is None:
+                tv.qgemv_gated(x, *w, None, scheme, False)
             elif m > 1:
                 tq.qgemm(x, *w, None, scheme, act)
     failures = 0
@@ -414,3 +451,41 @@ def test_gpu_gated_mlp_hands_amax_to_an_int8_down_proj(act: str, monkeypatch) ->
     unfused = down(getattr(ops, mlp.act_name)(mlp.gate_up_proj(x)))
     assert seen[0] is not None and seen[1] is None
     assert torch.equal(fused, unfused)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("scheme", ["channel", "block"])
+@pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
+def test_gpu_gated_mlp_fuses_the_activation_into_gate_up(scheme: str, act: str, monkeypatch) -> None:
+    """Batch 1 with fp8 gate|up: GatedMLP runs no activation kernel (gate|up's GEMV applies it), and
+    matches the unfused path (gate|up rounded to bf16, then the activation kernel) within bf16 rounding;
+    two rows still take the GEMM and the activation kernel."""
+    from engine.models.layers import GatedMLP
+    from engine.models.quant_linear import LinearQuant, QuantMergedLinear
+    from kernels import triton_act
+
+    hidden, inter = 2048, 8192
+    mlp = GatedMLP(hidden, inter, act).cuda().bfloat16()
+    torch.nn.init.normal_(mlp.down_proj.weight, std=0.02)
+    quant = LinearQuant(FP8, scheme, "fp8_group128" if scheme == "block" else "fp8_token")
+    gate_up = QuantMergedLinear(hidden, [inter, inter], False, quant).cuda()
+    q, scale, row_block = make_weights((inter, inter), hidden, FP8, scheme, 5, "cuda")
+    gate_up.qweight.data, gate_up.scale.data = q, scale
+    if row_block is not None:
+        gate_up.row_block = row_block
+    mlp.gate_up_proj = gate_up
+    launches = []
+    launch = triton_act._launch
+    monkeypatch.setattr(triton_act, "_launch", lambda *a, **k: launches.append(1) or launch(*a, **k))
+    x = torch.randn(2, hidden, generator=_gen(6, "cuda"), device="cuda").bfloat16() * 0.1
+    fused = mlp(x[:1])
+    assert not launches
+    gelu = act != "silu"
+    unfused = mlp.down_proj((ops.gelu_tanh_and_mul if gelu else ops.silu_and_mul)(gate_up(x[:1])))
+    assert launches == [1]
+    tol = 2e-2 * float(unfused.abs().max())
+    torch.testing.assert_close(fused.float(), unfused.float(), atol=tol, rtol=2e-2)
+    both = mlp(x)
+    assert launches == [1, 1]
+    torch.testing.assert_close(both[:1].float(), fused.float(), atol=5 * tol, rtol=0.1)  # fp8 activations

@@ -28,16 +28,22 @@ def _layer_weights(gen: torch.Generator) -> list[dict]:
     def w(*shape):
         return (torch.randn(*shape, generator=gen) * shape[-1] ** -0.5).to(torch.bfloat16).cuda()
 
+    def fp8(weight):  # per-channel fp8: the quantised GEMV's path
+        scale = (weight.float().abs().amax(1) / 448).clamp(min=1e-12)
+        return (weight.float() / scale[:, None]).to(torch.float8_e4m3fn), scale
+
     qkv_n = (HEADS + 2 * KV_HEADS) * HEAD_DIM
     return [
-        dict(norm=w(HIDDEN) + 1, qkv=w(qkv_n, HIDDEN), o=w(HIDDEN, HEADS * HEAD_DIM), norm2=w(HIDDEN) + 1,
-             up=w(2 * INTER, HIDDEN), down=w(HIDDEN, INTER))
+        dict(norm=w(HIDDEN) + 1, qkv=w(qkv_n, HIDDEN), o=fp8(w(HIDDEN, HEADS * HEAD_DIM)),
+             norm2=w(HIDDEN) + 1, up=w(2 * INTER, HIDDEN), down=w(HIDDEN, INTER))
         for _ in range(LAYERS)
     ]  # fmt: skip
 
 
 def _decoder(x, res, layers, caches, positions, slots, block_tables, seq_lens, cos_sin):
-    """Llama-shaped decode layers through ops: norm, qkv, RoPE + KV write, paged attention, o, MLP."""
+    """Llama-shaped decode layers through ops: norm, qkv, RoPE + KV write, paged attention, o (fp8
+    weights), MLP (at one row gate|up's GEMV applies the activation). Every kernel that precedes a GEMV
+    releases it before its own wait (RELEASE_FIRST), so weight loads overlap two kernels back."""
     rows = x.shape[0]
     for p, (kc, vc) in zip(layers, caches):
         h, res = ops.add_rms_norm(x, res, p["norm"], 1e-5)
@@ -50,9 +56,9 @@ def _decoder(x, res, layers, caches, positions, slots, block_tables, seq_lens, c
         )  # fmt: skip
         meta = type("Meta", (), dict(block_tables=block_tables, seq_lens=seq_lens, is_decode=True))()
         a = ops.attention(q, None, None, kc, vc, meta, HEAD_DIM**-0.5)
-        x = ops.linear(a.reshape(rows, -1), p["o"])
+        x = ops.quant_linear(a.reshape(rows, -1), *p["o"], None, None, "channel", None)
         h, res = ops.add_rms_norm(x, res, p["norm2"], 1e-5)
-        x = ops.linear(ops.silu_and_mul(ops.linear(h, p["up"])), p["down"])
+        x = ops.linear(ops.gated_linear(h, p["up"], None, False), p["down"])  # one row: the gated GEMV
     return x, res
 
 

@@ -46,6 +46,11 @@ class MergedLinear(Linear):
         """(first row, number of rows) of one shard in the stacked weight / bias."""
         return sum(self.output_sizes[:shard]), self.output_sizes[shard]
 
+    def gated(self, x: torch.Tensor, gelu_tanh: bool) -> torch.Tensor:
+        """act(gate) * up of a [gate | up] projection (GatedMLP): silu, or the tanh GELU; one row on
+        CUDA in one kernel."""
+        return ops.gated_linear(x, self.weight, self.bias, gelu_tanh)
+
 
 class LinearFactory:
     """Builds a block's projections by their checkpoint (HF) names, e.g. model.layers.3.mlp.down_proj.
@@ -240,13 +245,13 @@ class GatedMLP(nn.Module):
         self.act_name = _GATED_ACTIVATIONS[activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.gate_up_proj(x)
-        if getattr(self.down_proj, "takes_act_amax", False) and h.numel() == h.shape[-1]:
+        gelu_tanh = self.act_name == "gelu_tanh_and_mul"
+        if getattr(self.down_proj, "takes_act_amax", False) and x.numel() == x.shape[-1]:
             # one row (batch-1 decode) into an int8 W8A8 down_proj: the activation kernel also writes
             # the partial maxima of its output, so the GEMV skips its own pass over the 14k-wide row
-            act, amax = ops.gated_and_mul_amax(h, self.act_name == "gelu_tanh_and_mul")
+            act, amax = ops.gated_and_mul_amax(self.gate_up_proj(x), gelu_tanh)
             return self.down_proj(act, act_amax=amax)
-        return self.down_proj(getattr(ops, self.act_name)(h))
+        return self.down_proj(self.gate_up_proj.gated(x, gelu_tanh))
 
 
 class DecoderLayer(nn.Module):

@@ -103,6 +103,12 @@ class QuantMergedLinear(QuantLinear):
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool, quant: LinearQuant):
         super().__init__(in_features, sum(output_sizes), bias, quant, output_sizes)
 
+    def gated(self, x: torch.Tensor, gelu_tanh: bool) -> torch.Tensor:
+        """act(gate) * up of a [gate | up] projection (GatedMLP); one row on CUDA in one kernel."""
+        return ops.quant_gated_linear(
+            x, self.qweight, self.scale, self.row_block, self.bias, self.scheme, self.act_quant, gelu_tanh
+        )
+
 
 class QuantLinearFactory(LinearFactory):
     """Quantised modules for the projections `quant` quantises, plain ones for those it ignores."""
