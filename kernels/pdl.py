@@ -29,7 +29,6 @@ import triton.language as tl
 ENV = "MINSERVE_PDL"
 
 
-@functools.lru_cache(maxsize=8)
 @functools.lru_cache(maxsize=1)
 def interpreting() -> bool:
     """Whether kernels run under the Triton interpreter, which has neither PDL nor inline PTX. Triton
@@ -37,6 +36,7 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+@functools.lru_cache(maxsize=8)
 def enabled(device: torch.device) -> bool:
     """Whether kernels on `device` are launched with PDL (pass as USE_PDL= and launch_pdl=)."""
     if device.type != "cuda" or os.environ.get(ENV, "1") == "0" or interpreting():

@@ -24,6 +24,20 @@ def test_off_without_cuda() -> None:
     assert not pdl.enabled(torch.device("cpu"))
 
 
+def test_enabled_asks_the_device_once(monkeypatch) -> None:
+    """Every kernel launch asks `enabled`: the device's capability is queried once, then cached."""
+    calls = []
+    monkeypatch.delenv(pdl.ENV, raising=False)
+    monkeypatch.setattr(pdl, "interpreting", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d: calls.append(d) or (9, 0))
+    pdl.enabled.cache_clear()
+    try:
+        assert pdl.enabled(torch.device("cuda", 0)) and pdl.enabled(torch.device("cuda", 0))
+        assert len(calls) == 1
+    finally:
+        pdl.enabled.cache_clear()
+
+
 def _layer_weights(gen: torch.Generator) -> list[dict]:
     def w(*shape):
         return (torch.randn(*shape, generator=gen) * shape[-1] ** -0.5).to(torch.bfloat16).cuda()
