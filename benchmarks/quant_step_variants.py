@@ -30,16 +30,21 @@ from benchmarks.quant_sweep import patched
 GEMVS_LATE = {"tg.RELEASE_FIRST": False, "qv.RELEASE_FIRST": False}
 LATE = {**GEMVS_LATE, "tn.RELEASE_FIRST": False, "da.RELEASE_FIRST": False}
 UNFUSED = {"tg.GATED_EPILOGUE": False, "qv.GATED_EPILOGUE": False}
+
+
+def _launch_variants(fmt: str) -> list:
+    return [
+        (f"{fmt} GEMV (default)", {}),
+        ("GEMVs release their successor after their wait", GEMVS_LATE),
+        ("every kernel releases its successor after its wait", LATE),
+        ("... and a separate activation kernel (the kernels of dc809bc)", {**LATE, **UNFUSED}),
+    ]
+
+
 GEMV_VARIANTS = {
-    **{
-        fmt: [
-            (f"{fmt} GEMV (default)", {}),
-            ("GEMVs release their successor after their wait", GEMVS_LATE),
-            ("every kernel releases its successor after its wait", LATE),
-            ("... and a separate activation kernel (the kernels of dc809bc)", {**LATE, **UNFUSED}),
-        ]
-        for fmt in ("bf16", "fp8-block", "fp8-channel")
-    },
+    "bf16": _launch_variants("bf16"),
+    "fp8-block": _launch_variants("fp8-block"),
+    "fp8-channel": _launch_variants("fp8-channel"),
     "int8": [
         ("W8A8 DP4A GEMV (default)", {}),
         ("W8A8 DP4A GEMV, float-GEMV tiles", {"w8.MAX_WIDE_PROGRAMS_PER_SM": 0}),
@@ -83,7 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     cmd = "python -m benchmarks.quant_step_variants " + " ".join(sys.argv[1:] if argv is None else argv)
     rows = []
     for i, (fmt, variants) in enumerate(SETS[args.set].items()):
-        chosen = [v for v in variants if i == 0 or not only or any(w in v[0] for w in only)]  # bf16 first
+        # bf16's first variant is the baseline, always run
+        chosen = [
+            v for j, v in enumerate(variants) if i == j == 0 or not only or any(w in v[0] for w in only)
+        ]
         path, opts = checkpoint(args.model, fmt, args.ckpt_dir) if chosen else (None, None)
         for label, patch in chosen:
             undo = patched(patch)
