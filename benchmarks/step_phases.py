@@ -7,8 +7,7 @@ Each phase of `LLMEngine._step` (scheduling ahead, the deferred draw's join, the
 step, the token append, the mask fill's start, the emit) and a few costs inside them (the fill on its
 worker thread, the upload, the matchers' advance, waits on the fill) is wrapped with a wall-clock
 timer, then `runs` batches of greedy requests run through `engine.step()` per mode (none, half or all
-rows constrained, as in benchmarks/structured_bench; "all-late" stages each step ahead after the
-draw's join, as before `LLMEngine._stage`). Per mode: mean microseconds per step of each
+rows constrained, as in benchmarks/structured_bench). Per mode: mean microseconds per step of each
 phase, calls per step, step-time percentiles and decode tok/s. The first run of each mode is a
 warm-up. The timers cost about half a microsecond a call, so per-row phases (advance) read high.
 """
@@ -21,7 +20,6 @@ import random
 import statistics
 import sys
 import time
-import types
 from pathlib import Path
 
 from benchmarks.common import environment, git_commit, random_prompts, write_report
@@ -38,8 +36,7 @@ def phases() -> list[tuple[object, str]]:
     eng, sink = llm_engine.LLMEngine, token_sink.TokenSink
     return [
         (eng, "_step"), (scheduler.Scheduler, "schedule_ahead"), (eng, "_finish_draw"),
-        (eng, "_stage"), (eng, "_launch_next"), (sink, "receive"), (sink, "complete"), (eng, "_start_draw"),
-        (sink, "emit"),
+        (eng, "_launch_next"), (sink, "receive"), (sink, "complete"), (eng, "_start_draw"), (sink, "emit"),
         (ops, "apply_token_bitmask"), (ops, "argmax"),
         (grammar_state.BitmaskFiller, "_fill_rows"), (grammar_state.BitmaskFiller, "_run"),
         (grammar_state.BitmaskFiller, "_plan"), (grammar_state.BitmaskFiller, "_upload"),
@@ -86,17 +83,6 @@ class PhaseTimer:
         return {"steps": steps, "step_us": pct, "phases": per_step}
 
 
-def stage_late(engine, late: bool) -> None:
-    """Mode suffix "-late": a step ahead is staged after the deferred draw's join, inside its launch
-    (the order before `LLMEngine._stage`), for an A/B in one process."""
-    if not hasattr(type(engine), "_stage"):
-        return  # an older tree: always late
-    if late:
-        engine._stage = lambda nxt: None if nxt is None else types.SimpleNamespace(out=None)  # not nxt's
-    else:
-        engine.__dict__.pop("_stage", None)
-
-
 def markdown(report: dict) -> str:
     modes = report["modes"]
     names = list(dict.fromkeys(k for m in modes for k in m["phases"]))
@@ -128,8 +114,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", default="llama-3.2-1b")
     ap.add_argument("--tokenizer", type=Path, default=None, help="a tokenizer dir of the model's vocab size")
     ap.add_argument("--ckpt-dir", type=Path, default=Path("/tmp/minserve_bench"))
-    ap.add_argument("--modes", default="none,all", help="comma list of none, half, all (repeats allowed), "
-                    "each optionally -late (the step ahead staged after the draw's join)")  # fmt: skip
+    ap.add_argument("--modes", default="none,all", help="comma list of none, half, all (repeats allowed)")
     ap.add_argument("--constraint", default="json-free")
     ap.add_argument("--runs", type=int, default=6)
     ap.add_argument("--batch", type=int, default=64)
@@ -157,13 +142,11 @@ def main(argv: list[str] | None = None) -> None:
             timer.wrap(cls, name)
     vocab, modes = llm.engine.runner.model_config.vocab_size, []
     for mode in args.modes.split(","):
-        base, _, order = mode.partition("-")
-        stage_late(llm.engine, order == "late")
         runs = []
         for i in range(args.runs + 1):
             if i == 1:
                 timer.reset()
-            sps = params(base, args.constraint, args.batch, args.gen)
+            sps = params(mode, args.constraint, args.batch, args.gen)
             runs.append(decode_run(llm.engine, random_prompts(rng, args.batch, PROMPT, vocab), sps, args.gen))
         row = {"mode": mode, "tok_s": statistics.median(runs[1:]), "runs": runs[1:], **timer.summary()}
         modes.append(row)

@@ -88,23 +88,12 @@ class DecodeGraphs:
         """Copy this step's inputs into the bucket's buffers, replay its graph, return the hidden rows
         of the real tokens. `fed_back`: input ids still on the device (a step scheduled ahead);
         `draft_ids`: (rows, ids) of proposals on the device; both written over the packed ids."""
-        return self.replay(batch, self.stage(batch, upload), fed_back, draft_ids)
-
-    def stage(self, batch: StepBatch, upload: Uploader) -> int:
-        """Enqueue the copy of this step's packed inputs into its bucket's buffers; returns the bucket.
-        The copy runs after every replay enqueued before it, so it may come before the previous step's
-        sampling, which reads none of these buffers."""
-        bs = self.bucket(len(batch.seq_lens))
+        n = len(batch.seq_lens)
+        bs = self.bucket(n)
         i64, i32 = pack(batch, bs, self.width, pad_q=self.q)
         static64, static32 = self.inputs[bs]
         upload("i64", i64, out=static64)
         upload("i32", i32, out=static32)
-        return bs
-
-    def replay(self, batch: StepBatch, bs: int, fed_back=None, draft_ids=None) -> torch.Tensor:
-        """Replay bucket `bs`, staged with `batch` (stage), after writing the ids still on the device."""
-        n = len(batch.seq_lens)
-        static64 = self.inputs[bs][0]
         if fed_back is not None:
             static64[:n].copy_(fed_back)  # input_ids are the first rows of the int64 buffer
         if draft_ids is not None:
@@ -121,16 +110,15 @@ def forward_batch(
     block_size: int,
     fed_back: torch.Tensor | None = None,
     draft_ids: tuple[torch.Tensor, torch.Tensor] | None = None,
-    staged: int | None = None,
 ) -> torch.Tensor:
     """One forward of a packed step: the captured graph of its query length (`graphs`, by query length)
     when every sequence has the same one and a bucket fits, else eager. `fed_back`: the input ids of an
     all-decode step, still on the device. `draft_ids`: (rows, ids) of proposals on the device, written
-    over the 0s packed at those input rows. `staged`: the bucket `stage_batch` already filled."""
-    staged = staged if staged is not None else stage_batch(graphs, upload, batch)
-    if staged is not None:
-        return graphs[batch.uniform_q].replay(batch, staged, fed_back, draft_ids)
+    over the 0s packed at those input rows."""
     n = len(batch.seq_lens)
+    g = graphs.get(batch.uniform_q)
+    if g is not None and g.bucket(n) is not None:
+        return g.run(batch, upload, fed_back, draft_ids)
     width = table_width(batch)
     i64, i32 = pack(batch, n, width)
     i64, i32 = upload("i64", i64), upload("i32", i32)
@@ -141,12 +129,3 @@ def forward_batch(
         input_ids.index_copy_(0, *draft_ids)
     with attention_context(meta):
         return model(input_ids, positions)
-
-
-def stage_batch(graphs: dict[int, DecodeGraphs], upload: Uploader, batch: StepBatch) -> int | None:
-    """For a step that a captured graph runs: enqueue its inputs' copy into the graph's buffers and
-    return the bucket (forward_batch's `staged`); None for a step that runs eagerly."""
-    g = graphs.get(batch.uniform_q)
-    if g is None or g.bucket(len(batch.seq_lens)) is None:
-        return None
-    return g.stage(batch, upload)

@@ -25,7 +25,7 @@ from engine.core_messages import Record
 from engine.errors import InvalidRequestError, QueueFullError
 from engine.faults import FaultInjector
 from engine.grammar_state import GrammarState
-from engine.model_runner import DeferredSample, ModelRunner, StagedStep
+from engine.model_runner import DeferredSample, ModelRunner
 from engine.output_processor import OutputProcessor, PromptLogprobs
 from engine.outputs import RequestOutput
 from engine.request import Request
@@ -181,9 +181,8 @@ class LLMEngine:
         outputs = None
         if emit_first and isinstance(pending, DeferredSample):
             outputs = emit()  # the device is still on `out`'s forward: it cannot sample before the join
-        staged = self._stage(nxt)  # its host half reads no samples: done while the fill still runs
         pending = self._finish_draw(out, pending)
-        ahead = self._launch_next(nxt if staged is not None else None, pending, staged)
+        ahead = self._launch_next(nxt, pending)
         if emit_first and outputs is None:
             outputs = emit()
         received = self.sink.receive(out, pending)
@@ -205,28 +204,16 @@ class LLMEngine:
         some sequence would."""
         return self.speculator is None or self.speculator.idle(self.scheduler.running)
 
-    def _stage(self, nxt: SchedulerOutput | None) -> StagedStep | None:
-        """The host half of a step scheduled ahead (ModelRunner.stage); None when there is none, or when
-        it failed (its requests then have failed)."""
-        if nxt is None:
-            return None
-        try:
-            return self.runner.stage(nxt)
-        except Exception as exc:
-            self.sink.fail_chunks(nxt, exc)
-            return None
-
     def _launch_next(
-        self, nxt: SchedulerOutput | None, pending: PendingSample | None, staged: StagedStep | None = None
+        self, nxt: SchedulerOutput | None, pending: PendingSample | None
     ) -> tuple[SchedulerOutput, PendingSample | DeferredSample | None] | None:
-        """Launch a step scheduled ahead, its input ids the previous step's samples (`pending`), its
-        host half `staged` already done."""
+        """Launch a step scheduled ahead, its input ids the previous step's samples (`pending`)."""
         if nxt is None:
             return None
         if pending is None:  # the previous step's draw failed: its requests (all of nxt's) have failed
             self.sink.fail_chunks(nxt, RuntimeError("the previous step's draw failed"))
             return nxt, None
-        return nxt, self._launch(nxt, pending, staged)
+        return nxt, self._launch(nxt, pending)
 
     def _finish_draw(self, out: SchedulerOutput, pending):
         """A deferred draw joined and enqueued (a failed one fails its requests: None)."""
@@ -260,15 +247,13 @@ class LLMEngine:
             with contextlib.suppress(Exception):  # its requests have all finished
                 pending.finish()
 
-    def _launch(
-        self, out: SchedulerOutput, prev: PendingSample | None = None, staged: StagedStep | None = None
-    ) -> PendingSample | None:
+    def _launch(self, out: SchedulerOutput, prev: PendingSample | None = None) -> PendingSample | None:
         now = time.time()
         for chunk in out.chunks:
             metrics = chunk.seq.request.metrics
             metrics.first_scheduled_time = metrics.first_scheduled_time or now
         try:
-            return self.runner.execute(out, prev, staged) if out.chunks else None
+            return self.runner.execute(out, prev) if out.chunks else None
         except Exception as exc:  # a failed forward fails the requests in it, never the engine
             self.sink.fail_chunks(out, exc)
             return None

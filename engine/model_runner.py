@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
 from engine.attention_context import AttentionMetadata, attention_context
 from engine.config import EngineConfig
-from engine.cuda_graph import DecodeGraphs, forward_batch, stage_batch
+from engine.cuda_graph import DecodeGraphs, forward_batch
 from engine.device import resolve_device_dtype
 from engine.draft_runner import DraftOutput, DraftRunner
 from engine.grammar_state import BitmaskFiller
@@ -50,17 +49,6 @@ class DeferredSample:
     def finish(self) -> PendingSample:
         self.start()
         return self._finish()
-
-
-@dataclass(frozen=True, slots=True)
-class StagedStep:
-    """A step's host half (ModelRunner.stage): its scheduler output, its packed batch, and the graph
-    bucket whose buffers already hold its inputs (None: not staged into a graph)."""
-
-    out: SchedulerOutput
-    batch: StepBatch
-    bucket: int | None
-    rows: list[SamplingRow]  # the sampling rows of batch.samplers
 
 
 class ModelRunner:
@@ -127,46 +115,26 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()
-    def stage(self, out: SchedulerOutput) -> StagedStep:
-        """The host half of a step, ahead of `execute`: its block copies and packed inputs enqueued, its
-        batch built. None of it reads the previous step's samples, so the engine does it before it
-        waits for a deferred draw (whose mask fill runs meanwhile)."""
-        self._copy_blocks(out.block_copies)
-        batch = build_batch(out, self.block_size)
-        bucket = stage_batch(self.graphs_by_q, self.upload, batch)
-        rows = [self._sampling_row(s, p) for s, p in zip(batch.samplers, batch.draw_positions, strict=True)]
-        return StagedStep(out, batch, bucket, rows)
-
-    @torch.inference_mode()
     def execute(
-        self, out: SchedulerOutput, prev: PendingSample | None = None, staged: StagedStep | None = None
+        self, out: SchedulerOutput, prev: PendingSample | None = None
     ) -> PendingSample | DeferredSample | None:
         """Enqueue the step on the device and return its samples (and prompt scores) unresolved (None:
         nothing samples or scores). A step scheduled ahead (out.prev_rows) takes its input ids from
-        `prev`'s sampled ids; if its draw reads host state (out.draw_late), it is a DeferredSample.
-        `staged`: `stage(out)`, done earlier."""
-        if staged is None or staged.out is not out:
-            staged = self.stage(out)
-        batch = staged.batch
+        `prev`'s sampled ids; if its draw reads host state (out.draw_late), it is a DeferredSample."""
+        self._copy_blocks(out.block_copies)
+        batch = build_batch(out, self.block_size)
         spec_rows = [self._sampling_row(s, s.num_computed + 1) for s in batch.spec_samplers]
         drafts, draft_ids = self._propose(out, batch, spec_rows)
         fed_back = self._fed_back(out, prev)
         hidden = forward_batch(
-            self.model,
-            self.graphs_by_q,
-            self.upload,
-            batch,
-            self.block_size,
-            fed_back,
-            draft_ids,
-            staged.bucket,
+            self.model, self.graphs_by_q, self.upload, batch, self.block_size, fed_back, draft_ids
         )
         scores = None
         if out.prompt_logprob_chunks:  # prompt logprobs: only steps with a request that asks
             plan = prompt_logprob_rows(out, batch)
             scores = self.sampler.score_prompt(self.model.compute_logits, hidden, plan)
         if spec_rows:
-            return self._execute_spec(batch, hidden, scores, staged.rows, spec_rows, drafts)
+            return self._execute_spec(batch, hidden, scores, spec_rows, drafts)
         if not batch.samplers:
             return None if scores is None else PendingSample(self._no_samples, None, [], scores)
         if batch.logit_rows != list(range(len(batch.input_ids))):  # decode steps sample every row
@@ -174,7 +142,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden)
         if batch.sample_rows != list(range(len(batch.logit_rows))):  # n > 1 siblings share a row
             logits = logits.index_select(0, self.upload.values("sample_rows", batch.sample_rows, torch.long))
-        rows = staged.rows
+        rows = [self._sampling_row(s, p) for s, p in zip(batch.samplers, batch.draw_positions, strict=True)]
         constrained = [i for i, s in enumerate(batch.samplers) if s.grammar is not None]
         if out.draw_late:
             # launched ahead: the host has not appended the previous step's tokens, which the grammars
@@ -196,7 +164,7 @@ class ModelRunner:
         return drafts, (rows, drafts.tokens.reshape(-1))
 
     def _execute_spec(
-        self, batch: StepBatch, hidden, scores, rows: list[SamplingRow], spec_rows, drafts: DraftOutput | None
+        self, batch: StepBatch, hidden, scores, spec_rows, drafts: DraftOutput | None
     ) -> PendingSpec:
         """A step with proposals: one logits pass over the plain rows' draw positions and every scored
         position of the speculating rows; the plain rows draw as in any step, the others verify."""
@@ -208,6 +176,9 @@ class ModelRunner:
             own = logits[:n]
             if batch.sample_rows != list(range(n)):
                 own = own.index_select(0, self.upload.values("sample_rows", batch.sample_rows, torch.long))
+            rows = [
+                self._sampling_row(s, p) for s, p in zip(batch.samplers, batch.draw_positions, strict=True)
+            ]
             constrained = [i for i, s in enumerate(batch.samplers) if s.grammar is not None]
             plain = self._start_draw(own, rows, scores, batch.samplers, constrained)()
         elif scores is not None:

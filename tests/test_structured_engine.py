@@ -136,49 +136,6 @@ def test_async_scheduling_on_and_off_give_the_same_outputs(tiny_model_dir):
     assert len(constrained_ahead) > 10, "constrained rows must run in steps launched ahead"
 
 
-def test_a_step_ahead_is_staged_before_the_constrained_draw_is_joined(tiny_model_dir, monkeypatch):
-    """The next step's host half (ModelRunner.stage) runs while the deferred draw's mask fill is still
-    running, i.e. before the draw is joined; outputs stay those of the synchronous engine."""
-    from engine.model_runner import DeferredSample
-
-    eng = make_engine(tiny_model_dir)
-    events = []
-    stage, finish = eng.runner.stage, DeferredSample.finish
-    monkeypatch.setattr(DeferredSample, "finish", lambda self: events.append("join") or finish(self))
-    monkeypatch.setattr(eng.runner, "stage", lambda out: events.append("stage") or stage(out))
-    step = eng.step
-    monkeypatch.setattr(eng, "step", lambda: events.append("step") or step())
-    reqs = mixed()
-    got = run(eng, reqs)
-    assert got == run(make_engine(tiny_model_dir, async_scheduling=False), reqs)
-    calls = [c.split() for c in " ".join(events).split("step") if "stage" in c and "join" in c]
-    assert len(calls) > 10, "constrained draws must be deferred, with a step ahead to stage"
-    assert all(c.index("stage") < c.index("join") for c in calls), "a draw was joined before the stage"
-
-
-def test_a_failed_stage_fails_its_requests_and_frees_their_blocks(tiny_model_dir):
-    eng = make_engine(tiny_model_dir, block_size=4)
-    stage, calls = eng.runner.stage, []
-
-    def failing(out):
-        calls.append(out)
-        if len(calls) == 3:
-            raise RuntimeError("injected staging fault")
-        return stage(out)
-
-    eng.runner.stage = failing
-    ids = [eng.add_request(PROMPT, sampled(so("json", SCHEMAS[i]), seed=i, max_tokens=40)) for i in range(3)]
-    reasons = {}
-    while eng.has_unfinished():
-        for out in eng.step():
-            for d in out.outputs:
-                reasons[out.request_id] = d.finish_reason or reasons.get(out.request_id)
-    assert len(calls) >= 3 and eng.block_manager.num_used == 0 and eng.audit() == []
-    failed = {c.seq.request.request_id for c in calls[2].chunks}
-    assert failed and all(reasons[r] == "error" for r in failed), reasons
-    assert set(ids) == set(reasons)
-
-
 def test_n_samples_fork_the_matcher(engine):
     schema = SCHEMAS[2]
     (samples,) = run(engine, [(PROMPT, sampled(so("json", schema), seed=4, n=4))])
