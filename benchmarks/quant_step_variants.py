@@ -27,7 +27,7 @@ from benchmarks.quant_sweep import patched
 # the class engine.models.quant_linear.QuantLinear
 # Each kernel before a GEMV lets it launch before its own wait (RELEASE_FIRST), and gate|up's GEMV applies
 # the activation (GATED_EPILOGUE); the variants turn these off.
-GEMVS_LATE = {"tg.RELEASE_FIRST": False, "qv.RELEASE_FIRST": False}
+GEMVS_LATE = {"tg.RELEASE_FIRST": False, "qv.RELEASE_FIRST": False, "w8.RELEASE_FIRST": False}
 LATE = {**GEMVS_LATE, "tn.RELEASE_FIRST": False, "da.RELEASE_FIRST": False}
 UNFUSED = {"tg.GATED_EPILOGUE": False, "qv.GATED_EPILOGUE": False}
 
@@ -44,9 +44,13 @@ def _launch_variants(fmt: str) -> list:
 GEMV_VARIANTS = {
     "bf16": _launch_variants("bf16"),
     "fp8-block": _launch_variants("fp8-block"),
-    "fp8-channel": _launch_variants("fp8-channel"),
+    "fp8-channel": [
+        *_launch_variants("fp8-channel"),
+        ("per-row scales loaded after the last tile", {"qv.SCALE_FIRST": False}),
+    ],
     "int8": [
         ("W8A8 DP4A GEMV (default)", {}),
+        ("W8A8 DP4A GEMV releasing its successor after its wait", {"w8.RELEASE_FIRST": False}),
         ("W8A8 DP4A GEMV, float-GEMV tiles", {"w8.MAX_WIDE_PROGRAMS_PER_SM": 0}),
         ("W8A8 DP4A GEMV, down_proj finds amax itself", {"QuantLinear.takes_act_amax": False}),
         ("weight-only float GEMV, PRMT", {"w8.supported": lambda *a: False}),

@@ -58,6 +58,7 @@ WEIGHT_DTYPES = (torch.float8_e4m3fn, torch.int8)
 # gate|up's batch-1 GEMV applies the gated activation itself (qgemv_gated; ops.quant_gated_linear)
 GATED_EPILOGUE = True
 RELEASE_FIRST = True  # the next kernel launches before this one's wait (kernels.pdl.wait_for_inputs)
+SCALE_FIRST = True  # per-row scales and bias load before the PDL wait, so no load trails the last tile
 
 
 @triton.jit
@@ -135,7 +136,7 @@ def _qgemv_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_SCALES: tl.constexpr, INT8: tl.constexpr,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, USE_PDL: tl.constexpr,
     PRMT: tl.constexpr, GATED: tl.constexpr = False, GELU_TANH: tl.constexpr = False,
-    RELEASE_FIRST: tl.constexpr = False,
+    RELEASE_FIRST: tl.constexpr = False, SCALE_FIRST: tl.constexpr = False,
 ):  # fmt: skip
     cols = tl.arange(0, BLOCK_K)
     if GATED:  # tile row r: gate row j = t * BLOCK_N / 2 + r // 2 (even r) or up row N / 2 + j (odd r)
@@ -156,6 +157,9 @@ def _qgemv_kernel(
     if PREFETCH == 2:
         w1 = _w_tile(w_ptrs, cols, BLOCK_K, K, EVEN_K)
         s1 = _s_tile(s_ptrs, BLOCK_K, KB, BLOCK_N, BLOCK_K, BLOCK_SCALES, EVEN_K)
+    if SCALE_FIRST:  # the per-row scale and bias are weights too: read now, not after the last tile
+        row_scale = tl.load(s_ptr + w_rows) if not BLOCK_SCALES else 1.0
+        row_bias = tl.load(bias_ptr + w_rows).to(tl.float32) if HAS_BIAS else 0.0
     wait_for_inputs(USE_PDL, RELEASE_FIRST)
     acc = _tile_sums(w, s, x_ptr, 0, K, BLOCK_N, BLOCK_K, BLOCK_SCALES, INT8, EVEN_K, PRMT)
     if PREFETCH == 2:
@@ -165,10 +169,13 @@ def _qgemv_kernel(
         s = _s_tile(s_ptrs, k0, KB, BLOCK_N, BLOCK_K, BLOCK_SCALES, EVEN_K)
         acc += _tile_sums(w, s, x_ptr, k0, K, BLOCK_N, BLOCK_K, BLOCK_SCALES, INT8, EVEN_K, PRMT)
     y = tl.sum(acc, axis=1)
-    if not BLOCK_SCALES:
-        y *= tl.load(s_ptr + w_rows)
-    if HAS_BIAS:
-        y += tl.load(bias_ptr + w_rows).to(tl.float32)
+    if SCALE_FIRST:
+        y = y * row_scale + row_bias
+    else:
+        if not BLOCK_SCALES:
+            y *= tl.load(s_ptr + w_rows)
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + w_rows).to(tl.float32)
     if GATED:  # act(gate) * up of each (gate, up) row pair, in fp32: the projection is never rounded
         gate, up = tl.split(tl.reshape(y, (BLOCK_N // 2, 2)))
         j = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
@@ -299,6 +306,7 @@ def _launch(x, qweight, scale, row_block, bias, scheme: str, out, gelu_tanh: boo
         BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_SCALES=blocks, INT8=qweight.dtype == torch.int8,
         HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, PREFETCH=prefetch, USE_PDL=pdl,
         PRMT=PRMT_INT8 and not pdl_interpreting(), GATED=gelu_tanh is not None, GELU_TANH=bool(gelu_tanh),
-        num_warps=warps, num_stages=stages, RELEASE_FIRST=RELEASE_FIRST, launch_pdl=pdl,
+        RELEASE_FIRST=RELEASE_FIRST, SCALE_FIRST=SCALE_FIRST, num_warps=warps, num_stages=stages,
+        launch_pdl=pdl,
     )  # fmt: skip
     return out

@@ -39,6 +39,7 @@ QMAX = tl.constexpr(127.0)
 SCALE_MIN = tl.constexpr(1e-12)  # kernels.torch_ops.ACT_SCALE_MIN
 WIDE = (16, 2048, 2, 8)  # (BLOCK_N, BLOCK_K, num_stages, num_warps) of short rows, see w8a8_config
 MAX_WIDE_PROGRAMS_PER_SM = 3
+RELEASE_FIRST = True  # the next kernel launches before this one's wait (kernels.pdl.wait_for_inputs)
 ROUND = tl.constexpr(12582912.0)  # 1.5 * 2^23: an fp32 add of it rounds to an integer, half to even
 
 
@@ -95,14 +96,16 @@ def _w_words(w_ptrs, k0, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
 def _w8a8_gemv_kernel(
     x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, amax_ptr, N, K, stride_wn, n_partials,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-    PARTIALS: tl.constexpr, USE_PDL: tl.constexpr, NATIVE: tl.constexpr,
+    PARTIALS: tl.constexpr, USE_PDL: tl.constexpr, NATIVE: tl.constexpr, RELEASE_FIRST: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     w_rows = tl.minimum(rows, N - 1).to(tl.int64)  # the last tile re-reads row N - 1; the store masks
     words = tl.arange(0, BLOCK_K // 4)
     w_ptrs = w_ptr.to(tl.pointer_type(tl.int32)) + w_rows[:, None] * (stride_wn // 4) + words[None, :]
     w = _w_words(w_ptrs, 0, K, BLOCK_K, EVEN_K)  # weights are never written in a step
-    wait_for_inputs(USE_PDL)
+    row_scale = tl.load(s_ptr + w_rows)  # nor are scales and bias: read now, not after the last tile
+    row_bias = tl.load(bias_ptr + w_rows).to(tl.float32) if HAS_BIAS else 0.0
+    wait_for_inputs(USE_PDL, RELEASE_FIRST)
     if PARTIALS > 0:  # the producer's partial maxima of |x| (PARTIALS: their count, a power of two)
         p = tl.arange(0, PARTIALS)
         amax = tl.load(amax_ptr + p, mask=p < n_partials, other=0.0)
@@ -117,9 +120,7 @@ def _w8a8_gemv_kernel(
     for k0 in range(BLOCK_K, K, BLOCK_K):
         w = _w_words(w_ptrs, k0, K, BLOCK_K, EVEN_K)
         acc = _dp4a(w, _packed_codes(x_ptr, k0, K, inv_sx, BLOCK_N, BLOCK_K, EVEN_K), acc, NATIVE)
-    y = tl.sum(acc, axis=1).to(tl.float32) * sx * tl.load(s_ptr + w_rows)
-    if HAS_BIAS:
-        y += tl.load(bias_ptr + w_rows).to(tl.float32)
+    y = tl.sum(acc, axis=1).to(tl.float32) * sx * row_scale + row_bias
     tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=rows < N)
 
 
@@ -156,6 +157,6 @@ def w8a8_gemv(
         n, k, qweight.stride(0), partials,
         BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0,
         PARTIALS=triton.next_power_of_2(partials) if partials else 0, USE_PDL=pdl, NATIVE=not interpreting(),
-        num_warps=warps, num_stages=stages, launch_pdl=pdl,
+        RELEASE_FIRST=RELEASE_FIRST, num_warps=warps, num_stages=stages, launch_pdl=pdl,
     )  # fmt: skip
     return out
