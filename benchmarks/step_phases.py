@@ -7,7 +7,8 @@ Each phase of `LLMEngine._step` (scheduling ahead, the deferred draw's join, the
 step, the token append, the mask fill's start, the emit) and a few costs inside them (the fill on its
 worker thread, the upload, the matchers' advance, waits on the fill) is wrapped with a wall-clock
 timer, then `runs` batches of greedy requests run through `engine.step()` per mode (none, half or all
-rows constrained, as in benchmarks/structured_bench). Per mode: mean microseconds per step of each
+rows constrained, as in benchmarks/structured_bench; "all@20" runs the fills with a 20 us switch interval
+instead of grammar_state.HANDOFF_SWITCH_INTERVAL_S). Per mode: mean microseconds per step of each
 phase, calls per step, step-time percentiles and decode tok/s. The first run of each mode is a
 warm-up. The timers cost about half a microsecond a call, so per-row phases (advance) read high.
 """
@@ -141,12 +142,17 @@ def main(argv: list[str] | None = None) -> None:
         if hasattr(cls, name):  # an older tree may lack a phase (comparing two trees)
             timer.wrap(cls, name)
     vocab, modes = llm.engine.runner.model_config.vocab_size, []
+    from engine import grammar_state
+
+    default_interval = grammar_state.HANDOFF_SWITCH_INTERVAL_S
     for mode in args.modes.split(","):
+        base, _, switch_us = mode.partition("@")  # e.g. all@20: a 20 us switch interval during fills
+        grammar_state.HANDOFF_SWITCH_INTERVAL_S = float(switch_us) * 1e-6 if switch_us else default_interval
         runs = []
         for i in range(args.runs + 1):
             if i == 1:
                 timer.reset()
-            sps = params(mode, args.constraint, args.batch, args.gen)
+            sps = params(base, args.constraint, args.batch, args.gen)
             runs.append(decode_run(llm.engine, random_prompts(rng, args.batch, PROMPT, vocab), sps, args.gen))
         row = {"mode": mode, "tok_s": statistics.median(runs[1:]), "runs": runs[1:], **timer.summary()}
         modes.append(row)
