@@ -39,6 +39,25 @@ def gated(gate, up, GELU_TANH: tl.constexpr):
 
 
 @triton.jit
+def gated_pair_rows(N, BLOCK_N: tl.constexpr):
+    """(output rows, weight rows) of a tile of a batch-1 GEMV over [gate | up] [N, K] that applies the
+    activation itself: tile row r pairs gate row j = t * BLOCK_N / 2 + r // 2 (even r) with up row
+    N / 2 + j (odd r). Rows past N / 2 re-read row N / 2 - 1 (store_gated masks them)."""
+    rows = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N) // 2
+    w_rows = (tl.minimum(rows, N // 2 - 1) + (tl.arange(0, BLOCK_N) % 2) * (N // 2)).to(tl.int64)
+    return rows, w_rows
+
+
+@triton.jit
+def store_gated(out_ptr, y, N, BLOCK_N: tl.constexpr, GELU_TANH: tl.constexpr):
+    """act(gate) * up of each (gate, up) pair of fp32 row sums y [BLOCK_N] (gated_pair_rows' order),
+    into out[j] for j < N / 2: the projection is never rounded before the activation."""
+    gate, up = tl.split(tl.reshape(y, (BLOCK_N // 2, 2)))
+    j = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    tl.store(out_ptr + j, gated(gate, up, GELU_TANH).to(out_ptr.dtype.element_ty), mask=j < N // 2)
+
+
+@triton.jit
 def _gated_kernel(
     x_ptr, out_ptr, amax_ptr, stride_x, stride_out, inter,
     GELU_TANH: tl.constexpr, BLOCK: tl.constexpr, AMAX: tl.constexpr, USE_PDL: tl.constexpr,

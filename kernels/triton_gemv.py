@@ -25,7 +25,7 @@ import triton.language as tl
 
 from kernels.pdl import enabled as pdl_enabled
 from kernels.pdl import wait_for_inputs
-from kernels.triton_act import gated
+from kernels.triton_act import gated_pair_rows, store_gated
 
 # (BLOCK_K, num_stages, MAX_BLOCK_N): short rows take 2 KiB of 4 rows per tile; long rows (K >= LONG_K,
 # e.g. down_proj of an 8B model) take 1 KiB of up to 16 rows, 4 tiles deep.
@@ -64,9 +64,8 @@ def _gemv_kernel(
     cols = tl.arange(0, BLOCK_K)
     # The last tile re-reads row N-1 instead of masking rows, so every W load is an unpredicated
     # 16-byte copy; the store masks those lanes.
-    if GATED:  # tile row r: gate row j = t * BLOCK_N / 2 + r // 2 (even r) or up row N / 2 + j (odd r)
-        rows = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N) // 2
-        w_rows = (tl.minimum(rows, N // 2 - 1) + (tl.arange(0, BLOCK_N) % 2) * (N // 2)).to(tl.int64)
+    if GATED:  # gate and up rows in pairs
+        rows, w_rows = gated_pair_rows(N, BLOCK_N)
     else:
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         w_rows = tl.minimum(rows, N - 1).to(tl.int64)
@@ -87,10 +86,8 @@ def _gemv_kernel(
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(bias_ptr + w_rows).to(tl.float32)
-    if GATED:  # act(gate) * up of each (gate, up) row pair, in fp32: the projection is never rounded
-        gate, up = tl.split(tl.reshape(y, (BLOCK_N // 2, 2)))
-        j = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        tl.store(out_ptr + j, gated(gate, up, GELU_TANH).to(out_ptr.dtype.element_ty), mask=j < N // 2)
+    if GATED:
+        store_gated(out_ptr, y, N, BLOCK_N, GELU_TANH)
     else:
         tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=rows < N)
 

@@ -42,7 +42,7 @@ import triton.language as tl
 from kernels.pdl import enabled as pdl_enabled
 from kernels.pdl import interpreting as pdl_interpreting
 from kernels.pdl import wait_for_inputs
-from kernels.triton_act import gated
+from kernels.triton_act import gated_pair_rows, store_gated
 from kernels.triton_gemv import LONG_K, MIN_PROGRAMS_PER_SM, _sm_count
 
 # (BLOCK_K, num_stages, MAX_BLOCK_N, num_warps): 2 KiB of up to 8 rows per tile; long rows (K >= LONG_K,
@@ -139,10 +139,8 @@ def _qgemv_kernel(
     RELEASE_FIRST: tl.constexpr = False, SCALE_FIRST: tl.constexpr = False,
 ):  # fmt: skip
     cols = tl.arange(0, BLOCK_K)
-    if GATED:  # tile row r: gate row j = t * BLOCK_N / 2 + r // 2 (even r) or up row N / 2 + j (odd r)
-        half = N // 2
-        rows = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N) // 2
-        w_rows = (tl.minimum(rows, half - 1) + (tl.arange(0, BLOCK_N) % 2) * half).to(tl.int64)
+    if GATED:  # gate and up rows in pairs
+        rows, w_rows = gated_pair_rows(N, BLOCK_N)
     else:
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         w_rows = tl.minimum(rows, N - 1).to(tl.int64)
@@ -176,10 +174,8 @@ def _qgemv_kernel(
             y *= tl.load(s_ptr + w_rows)
         if HAS_BIAS:
             y += tl.load(bias_ptr + w_rows).to(tl.float32)
-    if GATED:  # act(gate) * up of each (gate, up) row pair, in fp32: the projection is never rounded
-        gate, up = tl.split(tl.reshape(y, (BLOCK_N // 2, 2)))
-        j = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        tl.store(out_ptr + j, gated(gate, up, GELU_TANH).to(out_ptr.dtype.element_ty), mask=j < N // 2)
+    if GATED:
+        store_gated(out_ptr, y, N, BLOCK_N, GELU_TANH)
     else:
         tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=rows < N)
 
