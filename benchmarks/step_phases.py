@@ -7,8 +7,10 @@ Each phase of `LLMEngine._step` (scheduling ahead, the deferred draw's join, the
 step, the token append, the mask fill's start, the emit) and a few costs inside them (the fill on its
 worker thread, the upload, the matchers' advance, waits on the fill) is wrapped with a wall-clock
 timer, then `runs` batches of greedy requests run through `engine.step()` per mode (none, half or all
-rows constrained, as in benchmarks/structured_bench; "all@20" runs the fills with a 20 us switch interval
-instead of grammar_state.HANDOFF_SWITCH_INTERVAL_S). Per mode: mean microseconds per step of each
+rows constrained, as in benchmarks/structured_bench; "all/thread" keeps the matchers on a thread of the
+engine's process instead of the matcher process, "all/process:8" a matcher process with 8 threads,
+and "all/thread@20" runs those fills with a 20 us switch
+interval instead of grammar_state.HANDOFF_SWITCH_INTERVAL_S). Per mode: mean microseconds per step of each
 phase, calls per step, step-time percentiles and decode tok/s. The first run of each mode is a
 warm-up. The timers cost about half a microsecond a call, so per-row phases (advance) read high.
 """
@@ -31,7 +33,15 @@ PROMPT = 128
 
 
 def phases() -> list[tuple[object, str]]:
-    from engine import grammar_state, llm_engine, sampler, scheduler, token_sink
+    from engine import (
+        grammar_process,
+        grammar_remote,
+        grammar_state,
+        llm_engine,
+        sampler,
+        scheduler,
+        token_sink,
+    )
     from kernels import ops
 
     eng, sink = llm_engine.LLMEngine, token_sink.TokenSink
@@ -42,6 +52,8 @@ def phases() -> list[tuple[object, str]]:
         (grammar_state.BitmaskFiller, "_fill_rows"), (grammar_state.BitmaskFiller, "_run"),
         (grammar_state.BitmaskFiller, "_plan"), (grammar_state.BitmaskFiller, "_upload"),
         (grammar_state.GrammarState, "advance"), (sampler.Sampler, "draw"),
+        (grammar_remote.ProcessBitmaskFiller, "start"), (grammar_process.GrammarProcess, "submit"),
+        (grammar_process.GrammarProcess, "wait"),
         (sampler.PendingSample, "resolve"),
     ]  # fmt: skip
 
@@ -67,6 +79,16 @@ class PhaseTimer:
                 self.calls[label] += 1
                 if name == "_step":
                     self.steps.append(dt)
+                elif name == "wait" and hasattr(args[0], "ended_at"):  # the matcher process's times
+                    service, now = args[0], time.perf_counter()
+                    for key, span in (
+                        ("child: wake-up", service.began_at - service.sent_at),
+                        ("child: consume + fill", service.ended_at - service.began_at),
+                        ("child: reply to join", now - service.ended_at),
+                        ("child: from its end to the join's start", service.ended_at - t),
+                    ):
+                        self.seconds[key] += span
+                        self.calls[key] += 1
 
         setattr(cls, name, timed)
 
@@ -142,11 +164,21 @@ def main(argv: list[str] | None = None) -> None:
         if hasattr(cls, name):  # an older tree may lack a phase (comparing two trees)
             timer.wrap(cls, name)
     vocab, modes = llm.engine.runner.model_config.vocab_size, []
-    from engine import grammar_state
+    from engine import grammar_remote, grammar_state
 
     default_interval = grammar_state.HANDOFF_SWITCH_INTERVAL_S
+    runner = llm.engine.runner
+    fillers = {"process": runner.bitmasks, "thread": grammar_state.BitmaskFiller(vocab, runner.device)}
     for mode in args.modes.split(","):
-        base, _, switch_us = mode.partition("@")  # e.g. all@20: a 20 us switch interval during fills
+        mode_only, _, via = mode.partition("/")  # all/thread: the matchers on a thread of this process
+        via = via or "process"
+        if via not in fillers:  # process:8: a matcher process with 8 threads; process:8:free unpinned
+            _, threads, free = via.split(":") + [""] * (3 - len(via.split(":")))
+            fillers[via] = grammar_remote.ProcessBitmaskFiller(
+                vocab, runner.device, args.batch, int(threads), pin=free != "free"
+            )
+        runner.bitmasks = fillers[via]
+        base, _, switch_us = mode_only.partition("@")  # e.g. all@20: a 20 us switch interval during fills
         grammar_state.HANDOFF_SWITCH_INTERVAL_S = float(switch_us) * 1e-6 if switch_us else default_interval
         runs = []
         for i in range(args.runs + 1):

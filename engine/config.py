@@ -92,6 +92,9 @@ class EngineConfig:
     cache: CacheConfig = CacheConfig()
     fault_injection: bool = False  # test-only hooks (engine/faults.py); never enable in production
     speculative: SpeculativeConfig | None = None  # speculative decoding (engine/speculator.py); None: off
+    # structured output's matchers in a process of their own (engine/grammar_process.py), so a
+    # host-bound loop pays no GIL hand-offs for them; False: on a thread of the engine's process
+    grammar_process: bool = True
 
     @staticmethod
     def from_kwargs(model: str, **kwargs) -> EngineConfig:
@@ -110,7 +113,7 @@ class EngineConfig:
                     bucket[key] = value
                     break
             else:
-                if key in ("fault_injection",):
+                if key in ("fault_injection", "grammar_process"):
                     top[key] = value
                 else:
                     raise ValueError(f"unknown engine option {key!r}")

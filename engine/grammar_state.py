@@ -171,6 +171,10 @@ class BitmaskFiller:
             self._events[self._turn].synchronize()  # its last upload has left (normally long ago)
         return entry.host[:rows]
 
+    def new_state(self, so, compiler) -> GrammarState:
+        """The grammar state of a new request's constraint `so` (engine/structured.StructuredOutput)."""
+        return GrammarState.start(compiler.prototype(so))
+
     def fill(self, states: list[GrammarState]) -> torch.Tensor:
         """The bitmask [len(states), words] on the device (int32, bit t of word t // 32 allows t)."""
         return self.start(states, background=False)()

@@ -24,7 +24,6 @@ from engine.config import EngineConfig
 from engine.core_messages import Record
 from engine.errors import InvalidRequestError, QueueFullError
 from engine.faults import FaultInjector
-from engine.grammar_state import GrammarState
 from engine.model_runner import DeferredSample, ModelRunner
 from engine.output_processor import OutputProcessor, PromptLogprobs
 from engine.outputs import RequestOutput
@@ -109,7 +108,7 @@ class LLMEngine:
         request = Request(request_id, ids, params, arrival_time or time.time())
         if params.structured is not None:  # compiled (and cached) by admission.check just above
             compiler = structured.compiler_for(self.tokenizer, self.limits.vocab_size)
-            request.seqs[0].grammar = GrammarState.start(compiler.prototype(params.structured))
+            request.seqs[0].grammar = self.runner.bitmasks.new_state(params.structured, compiler)
         self.requests[request_id] = request
         self.scheduler.add(request)
         self.stats["prompt_tokens_total"] += len(ids)

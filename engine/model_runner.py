@@ -19,6 +19,7 @@ from engine.config import EngineConfig
 from engine.cuda_graph import DecodeGraphs, forward_batch
 from engine.device import resolve_device_dtype
 from engine.draft_runner import DraftOutput, DraftRunner
+from engine.grammar_remote import ProcessBitmaskFiller
 from engine.grammar_state import BitmaskFiller
 from engine.kv_cache import KVCacheSpec, allocate_kv_cache, kv_cache_dtype, plan_kv_cache
 from engine.loader import load_model
@@ -85,7 +86,12 @@ class ModelRunner:
             layer.k_cache, layer.v_cache = k_cache, v_cache
         self.sampler = Sampler(self.model_config.vocab_size, self.device)
         self.spec_sampler = SpecSampler(self.sampler, spec.synthetic_acceptance_rate) if spec else None
-        self.bitmasks = BitmaskFiller(self.model_config.vocab_size, self.device)
+        vocab = self.model_config.vocab_size
+        self.bitmasks = (
+            ProcessBitmaskFiller(vocab, self.device, config.scheduler.max_num_seqs)
+            if config.grammar_process
+            else BitmaskFiller(vocab, self.device)
+        )
         self._no_samples = torch.empty(0, dtype=torch.long, device=self.device)  # a step that only scores
         self.upload = Uploader(self.device)
         # unseeded sequences draw from stream (base, seq_id); the base follows load.seed (set above)

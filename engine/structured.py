@@ -23,6 +23,8 @@ No torch here: the replica imports this module without the model.
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 import threading
 from collections import OrderedDict
@@ -134,6 +136,7 @@ class GrammarCompiler:
         # every EOS id the engine stops at: where the grammar accepts, any of them ends the sequence
         eos = sorted(tokenizer.eos_token_ids) or None
         self.ll_tokenizer = llguidance.hf.from_tokenizer(tokenizer.hf, n_vocab=vocab_size, eos_token=eos)
+        self._hf, self._eos = tokenizer.hf, eos
         self.vocab_size = vocab_size
         self.cache_size = cache_size
         self._limits = limits()
@@ -141,9 +144,23 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self.compiles = 0  # cache misses, for tests and benchmarks
 
+    @functools.cached_property
+    def tokenizer_spec(self) -> tuple[str, int, list[int] | None]:
+        """What another process needs to build the same llguidance tokenizer: (the tokenizer's JSON
+        text, the vocabulary size, the EOS ids), as llguidance.hf.from_tokenizer builds it."""
+        backend = copy.copy(self._hf.backend_tokenizer)
+        backend.no_padding()
+        backend.no_truncation()
+        return backend.to_str(), self.vocab_size, self._eos
+
+    @staticmethod
+    def key(so: StructuredOutput) -> tuple[str, str]:
+        """The cache key of `so`: (kind, canonical spec), from which grammar_text builds its grammar."""
+        return so.kind, canonical(so)
+
     def prototype(self, so: StructuredOutput):
         """The compiled, untouched matcher of `so` (never advance it: deep_copy it)."""
-        key = (so.kind, canonical(so))
+        key = self.key(so)
         with self._lock:
             found = self._cache.get(key)
             if found is not None:

@@ -22,6 +22,8 @@ from benchmarks.structured_cases import CHOICES, GRAMMARS, REGEXES, SCHEMAS
 from engine import admission, grammar_state
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
+from engine.grammar_process import GrammarProcess
+from engine.grammar_remote import ProcessBitmaskFiller
 from engine.grammar_state import BitmaskFiller, GrammarError, GrammarState
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams, StructuredOutput
@@ -247,6 +249,8 @@ def test_unconstrained_steps_never_touch_the_mask(tiny_model_dir, monkeypatch):
 
     monkeypatch.setattr(ops, "apply_token_bitmask", boom)
     monkeypatch.setattr(BitmaskFiller, "start", boom)
+    monkeypatch.setattr(ProcessBitmaskFiller, "start", boom)
+    monkeypatch.setattr(GrammarProcess, "__init__", boom)
     eng = make_engine(tiny_model_dir)
     reqs = [
         (PROMPT, SamplingParams(max_tokens=12, temperature=t, seed=1, logprobs=lp))

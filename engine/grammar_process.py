@@ -1,0 +1,335 @@
+"""Structured output's matchers in a process of their own, beside the engine's step loop.
+
+A host-bound step loop (a small model at a large batch) runs Python without pause, and a matcher
+thread in the same process costs it a GIL hand-off each time the thread needs the interpreter: to
+start a job, between llguidance's calls, to hand back the result. Here the matchers live in a child
+process with its own interpreter. Per step the loop sends one message (the rows to fill, the tokens to
+consume first, the state operations queued since the last step) and later reads one reply (refusals).
+The masks go through a shared-memory file the engine maps as its upload buffer, so nothing is copied.
+
+The child applies the messages in order: state operations, then the job's consumes, then its fill.
+The engine's view of each state (engine/grammar_remote.RemoteGrammar) is therefore exact whenever it
+sends: every operation it queued is applied before any later job reads the matcher.
+
+No torch here: the child imports only llguidance and engine/structured (grammar texts, limits).
+
+    python -m engine.grammar_process FD   # started by GrammarProcess, never by hand
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import pickle
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from array import array
+from collections import OrderedDict
+from pathlib import Path
+
+READY_TIMEOUT_S = 120.0  # building a 128k-vocabulary tokenizer takes about a second
+PROTOTYPES = 256  # compiled grammars kept in the child (the engine's compiler keeps its own)
+# llguidance's pool threads in the child, and at most as many independently compiled replicas per
+# constraint. 1B shape, batch 64, one H100 host: the child's consume and fill took 505 us on 2
+# threads, 470-570 on 4 and 430 on 8 (benchmarks/reports/gpu/structured_process_h100.md).
+THREADS = int(os.environ.get("MINSERVE_GRAMMAR_THREADS", min(8, max(1, (os.cpu_count() or 2) // 2))))
+PIN = os.environ.get("MINSERVE_GRAMMAR_PIN", "1") == "1"  # split_cpus below
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class GrammarProcessError(RuntimeError):
+    """The grammar process failed or stopped answering."""
+
+
+class GrammarProcess:
+    """The engine's handle on the child: its channel and the shared mask buffer.
+
+    `buffer` is `turns` arrays of [rows, words] int32 words, back to back, that the child fills and
+    the engine uploads. Operations queue in `ops` until the next `submit` sends them with its job."""
+
+    def __init__(
+        self,
+        tokenizer_spec: tuple,
+        rows: int,
+        words: int,
+        turns: int,
+        threads: int = THREADS,
+        pin: bool = PIN,
+    ):
+        self.rows, self.words, self.turns = rows, words, turns
+        self.ops: list[tuple] = []
+        # the last job's times on the shared monotonic clock (time.perf_counter), for benchmarks:
+        # sent by the engine, started and ended in the child
+        self.sent_at = self.began_at = self.ended_at = 0.0
+        self._ready = False
+        shm_dir = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        fd, path = tempfile.mkstemp(prefix="minserve-grammar-", dir=shm_dir)
+        self._path = path
+        try:
+            os.ftruncate(fd, turns * rows * words * 4)
+            self.buffer = mmap.mmap(fd, turns * rows * words * 4)
+        finally:
+            os.close(fd)
+        ours, theirs = socket.socketpair()
+        path_list = [str(ROOT), os.environ.get("PYTHONPATH")]  # the child imports engine/ from here
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, path_list)))
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "engine.grammar_process", str(theirs.fileno())],
+            pass_fds=[theirs.fileno()],
+            env=env,
+            stdin=subprocess.DEVNULL,
+        )
+        theirs.close()
+        self._channel = _Channel(ours)
+        child_cpus = split_cpus(threads) if pin else None
+        setup = (path, tokenizer_spec, rows, words, turns, threads, child_cpus)
+        self._channel.send(SETUP, pickle.dumps(setup, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def submit(self, turn: int, fill: list[int], slots: list[int], tokens: list[int]) -> None:
+        """Send the queued operations and one job: slots[i] consumes tokens[i], then row i of buffer
+        `turn` gets slot fill[i]'s mask. `wait` must be called before the next submit. The job goes
+        as packed int32s (a few microseconds; pickling its tuples cost tens)."""
+        if not self._ready:
+            self._channel.sock.settimeout(READY_TIMEOUT_S)
+            self._expect(READY, READY_TIMEOUT_S)
+            # blocking from now on: a timeout makes every recv a poll, a recv and two fcntl calls
+            # (about 40 us on a GPU host's VM); a stuck job is bounded by llguidance's fuel, and a
+            # dead child closes the socket
+            self._channel.sock.settimeout(None)
+            self._ready = True
+        job = array("i", (turn, len(fill)))
+        job.extend(fill)
+        job.extend(slots)
+        job.extend(tokens)
+        try:
+            if self.ops:
+                ops, self.ops = self.ops, []
+                self._channel.send(OPS, pickle.dumps(ops, protocol=pickle.HIGHEST_PROTOCOL))
+            self._channel.send(JOB, job.tobytes())
+            self.sent_at = time.perf_counter()
+        except OSError as exc:
+            raise GrammarProcessError(f"the grammar process is gone ({exc})") from None
+
+    def wait(self) -> list[tuple[int, str]]:
+        """The job's refusals: (slot, llguidance's message) per token a matcher did not accept."""
+        payload = self._expect(DONE, None)
+        self.began_at, self.ended_at = _TIMES.unpack_from(payload)
+        return pickle.loads(payload[_TIMES.size :]) if len(payload) > _TIMES.size else []
+
+    def _expect(self, kind: int, timeout: float | None) -> bytes:
+        try:
+            got, payload = self._channel.recv()
+        except TimeoutError:
+            raise GrammarProcessError(f"the grammar process did not answer within {timeout:g} s") from None
+        except (EOFError, OSError) as exc:
+            code = self._proc.poll()
+            raise GrammarProcessError(f"the grammar process exited (code {code}): {exc!r}") from None
+        if got != kind:
+            raise GrammarProcessError(f"the grammar process failed: {payload.decode(errors='replace')}")
+        return payload
+
+    def close(self) -> None:
+        """Stop the child (it also stops by itself when the engine's end of the socket closes)."""
+        with contextlib.suppress(FileNotFoundError):  # the child unlinks it once mapped
+            os.unlink(self._path)
+        self._channel.sock.close()
+        try:
+            self._proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+
+
+def split_cpus(threads: int) -> list[int] | None:
+    """Give the child whole cores of its own, and keep the calling (loop) thread off them. Unpinned,
+    the kernel tends to wake the child on the loop's own CPU (or its hyperthread sibling), where its
+    fill slows the loop's Python. None (nothing pinned) with fewer than four cores."""
+    if not hasattr(os, "sched_getaffinity"):
+        return None
+    allowed = os.sched_getaffinity(0)
+    cores: dict[frozenset, None] = {}
+    for cpu in sorted(allowed):
+        try:
+            text = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read_text()
+        except OSError:
+            text = str(cpu)
+        cores[frozenset(_cpu_list(text)) & allowed] = None
+    if len(cores) < 4:
+        return None
+    ours = list(cores)[-max(1, min(threads, len(cores) // 2)) :]
+    child = sorted(set().union(*ours))
+    os.sched_setaffinity(0, allowed - set(child))
+    return child
+
+
+def _cpu_list(text: str) -> list[int]:
+    """'0-3,8' -> [0, 1, 2, 3, 8] (the kernel's cpu list format)."""
+    cpus = []
+    for part in text.strip().split(","):
+        lo, _, hi = part.partition("-")
+        cpus.extend(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+# message kinds on the channel
+SETUP, READY, OPS, JOB, DONE, FAILED = range(6)
+_HEADER = struct.Struct("=iI")  # kind, payload bytes
+_TIMES = struct.Struct("=dd")  # a job's start and end in the child; pickled refusals may follow
+
+
+class _Channel:
+    """Length-prefixed messages over a stream socket: one send per message, and usually one recv
+    (multiprocessing's Connection costs a selector and several reads, tens of microseconds)."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self._buf = bytearray()
+
+    def send(self, kind: int, payload: bytes = b"") -> None:
+        self.sock.sendall(_HEADER.pack(kind, len(payload)) + payload)
+
+    def recv(self) -> tuple[int, bytes]:
+        while True:
+            if len(self._buf) >= _HEADER.size:
+                kind, size = _HEADER.unpack_from(self._buf)
+                end = _HEADER.size + size
+                if len(self._buf) >= end:
+                    payload = bytes(self._buf[_HEADER.size : end])
+                    del self._buf[:end]
+                    return kind, payload
+            chunk = self.sock.recv(1 << 16)
+            if not chunk:
+                raise EOFError("the other end closed the channel")
+            self._buf += chunk
+
+
+class _Matchers:
+    """The child's side: matchers by slot, compiled prototypes by (kind, spec), and llguidance's pool."""
+
+    def __init__(self, tokenizer_spec: tuple, threads: int):
+        import llguidance
+
+        from engine import structured
+
+        text, n_vocab, eos = tokenizer_spec
+        self.llg, self.structured = llguidance, structured
+        self.tokenizer = llguidance.LLTokenizer(text, n_vocab=n_vocab, eos_token=eos)
+        self.limits = structured.limits()
+        self.pool = llguidance.LLExecutor(threads)
+        self.replicas = threads
+        self.by_slot: dict[int, object] = {}
+        self.prototypes: OrderedDict[tuple[str, str], object] = OrderedDict()
+        self.refusals: list[tuple[int, str]] = []
+
+    def prototype(self, kind: str, spec: str, slot: int):
+        """One of the constraint's independently compiled replicas, by slot. Deep copies of one
+        compiled matcher share its lexer behind a lock, so the pool's threads fill rows of
+        different replicas in parallel but would wait on each other over copies of one. Replicas
+        are compiled as states need them: one request compiles one."""
+        key = (kind, spec)
+        found = self.prototypes.setdefault(key, [])
+        self.prototypes.move_to_end(key)
+        while len(self.prototypes) > PROTOTYPES:
+            self.prototypes.popitem(last=False)
+        if len(found) < self.replicas:
+            grammar = self.structured.grammar_text(kind, spec)
+            found.append(self.llg.LLMatcher(self.tokenizer, grammar, log_level=0, limits=self.limits))
+            return found[-1]
+        return found[slot % len(found)]
+
+    def apply(self, op: tuple) -> None:
+        name, slot = op[0], op[1]
+        if name == "new":  # ("new", slot, kind, spec): the engine compiled it already (admission)
+            matcher = self.prototype(op[2], op[3], slot).deep_copy()
+            if matcher.is_error():
+                self.refusals.append((slot, matcher.get_error()))
+            self.by_slot[slot] = matcher
+        elif name == "fork":  # ("fork", slot, source)
+            self.by_slot[slot] = self.by_slot[op[2]].deep_copy()
+        elif name == "free":
+            self.by_slot.pop(slot, None)
+        elif name == "consume":  # ("consume", slot, tokens): earlier tokens than a job's one
+            matcher = self.by_slot[slot]
+            for token in op[2]:
+                self.consume(slot, matcher, token, matcher.consume_token(token))
+        elif name == "rollback":  # ("rollback", slot, n)
+            matcher = self.by_slot[slot]
+            if not matcher.rollback(op[2]):
+                self.refusals.append((slot, f"rollback of {op[2]} tokens failed: {matcher.get_error()}"))
+        else:
+            raise ValueError(f"unknown grammar operation {name!r}")
+
+    def consume(self, slot: int, matcher, token: int, ok: bool) -> None:
+        if not ok:
+            self.refusals.append((slot, f"the grammar refused token {token}: {matcher.get_error()}"))
+
+    def job(self, base: int, row_bytes: int, fill, slots, tokens) -> list:
+        if slots:
+            pairs = [(self.by_slot[slot], token) for slot, token in zip(slots, tokens, strict=True)]
+            if len(pairs) > 1:
+                verdicts = self.pool.consume_token_par(pairs)
+            else:
+                verdicts = [pairs[0][0].consume_token(pairs[0][1])]
+            if not all(verdicts):
+                for slot, (matcher, token), ok in zip(slots, pairs, verdicts, strict=True):
+                    self.consume(slot, matcher, token, ok)
+        rows = [(self.by_slot[slot], i) for i, slot in enumerate(fill)]
+        if len(rows) == 1:
+            rows[0][0].unsafe_compute_mask_ptr(base, row_bytes)
+        elif rows:
+            self.pool.unsafe_compute_mask_ptr(rows, base, row_bytes, len(rows))
+        refusals, self.refusals = self.refusals, []
+        return refusals
+
+
+def serve(channel: _Channel) -> None:
+    """The child's loop: set up, then one reply per job until the engine closes the socket."""
+    import ctypes
+
+    kind, payload = channel.recv()
+    path, tokenizer_spec, rows, words, turns, threads, cpus = pickle.loads(payload)
+    if cpus:  # before llguidance's pool starts: its threads inherit this
+        os.sched_setaffinity(0, cpus)
+    with open(path, "r+b") as f:
+        buffer = mmap.mmap(f.fileno(), turns * rows * words * 4)
+    os.unlink(path)  # both processes have it mapped: nothing is left behind if either dies
+    base = ctypes.addressof(ctypes.c_char.from_buffer(buffer))
+    matchers = _Matchers(tokenizer_spec, threads)
+    channel.send(READY)
+    turn_bytes, row_bytes = rows * words * 4, words * 4
+    failed = None  # an operation's failure, answered in place of the next job's reply
+    while True:
+        try:
+            kind, payload = channel.recv()
+        except (EOFError, OSError):
+            return
+        if kind == OPS:  # applied now, answered with the next job
+            try:
+                for op in pickle.loads(payload):
+                    matchers.apply(op)
+            except Exception as exc:  # noqa: BLE001
+                failed = failed or f"{type(exc).__name__}: {exc}"
+            continue
+        try:
+            if failed is not None:
+                raise RuntimeError(failed)
+            began = time.perf_counter()
+            job = array("i")
+            job.frombytes(payload)
+            turn, n = job[0], job[1]
+            half = (len(job) - 2 - n) // 2
+            fill, slots, tokens = job[2 : 2 + n], job[2 + n : 2 + n + half], job[2 + n + half :]
+            refusals = matchers.job(base + turn * turn_bytes, row_bytes, fill, slots, tokens)
+            extra = pickle.dumps(refusals) if refusals else b""
+            channel.send(DONE, _TIMES.pack(began, time.perf_counter()) + extra)
+        except Exception as exc:  # noqa: BLE001 - handed to the engine, which fails the step
+            failed = None
+            channel.send(FAILED, f"{type(exc).__name__}: {exc}".encode())
+
+
+if __name__ == "__main__":
+    serve(_Channel(socket.socket(fileno=int(sys.argv[1]))))

@@ -1,0 +1,166 @@
+"""The matcher process (engine/grammar_process.py, engine/grammar_remote.py) against matchers advanced
+on the host, and the engine's outputs with the matchers in a process against those with them on a
+thread of the engine's own process."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from benchmarks.structured_cases import REGEXES, SCHEMAS
+from engine.config import EngineConfig
+from engine.grammar_process import GrammarProcessError
+from engine.grammar_remote import ProcessBitmaskFiller
+from engine.grammar_state import BitmaskFiller, GrammarError, GrammarState
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams, StructuredOutput
+from engine.structured import compiler_for
+
+pytest.importorskip("llguidance")
+pytestmark = pytest.mark.engine
+PROMPT = "Answer in the requested format:"
+
+
+def make_engine(model_dir, **kw) -> LLMEngine:
+    return LLMEngine(EngineConfig.from_kwargs(str(model_dir), dtype="float32", device="cpu", **kw))
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir) -> LLMEngine:
+    return make_engine(tiny_model_dir, grammar_process=False)
+
+
+def so(kind: str, spec=None) -> StructuredOutput:
+    return StructuredOutput(kind, spec, field="response_format")
+
+
+def fillers(engine: LLMEngine) -> tuple[ProcessBitmaskFiller, BitmaskFiller]:
+    vocab = engine.limits.vocab_size
+    cpu = torch.device("cpu")
+    return ProcessBitmaskFiller(vocab, cpu, max_rows=8), BitmaskFiller(vocab, cpu)
+
+
+def test_remote_masks_equal_masks_of_matchers_advanced_on_the_host(engine):
+    compiler = compiler_for(engine.tokenizer, engine.limits.vocab_size)
+    constraint = so("regex", "(ab|cd)[0-9]{3}x")
+    texts = ["ab123x", "cd9", "ab", "cd45"]
+    tokens = [compiler.ll_tokenizer.tokenize_str(t) for t in texts]
+    remote_filler, host_filler = fillers(engine)
+    remote = [remote_filler.new_state(constraint, compiler) for _ in texts]
+    host = [GrammarState.start(compiler.prototype(constraint)) for _ in texts]
+    for step in range(max(map(len, tokens))):
+        live = [i for i, t in enumerate(tokens) if step < len(t)]
+        for i in live:
+            remote[i].push(tokens[i][step])
+            host[i].advance(tokens[i][step])
+        got = remote_filler.start([remote[i] for i in live])()
+        assert torch.equal(got, host_filler.fill([host[i] for i in live])), step
+    assert [s.num_consumed for s in remote] == [len(t) for t in tokens] and not any(s.pending for s in remote)
+    bad = remote_filler.new_state(constraint, compiler)
+    bad.push(compiler.ll_tokenizer.tokenize_str("zz")[0])
+    mask = remote_filler.start([bad, remote[1]])()
+    allowed = [t for t in range(engine.limits.vocab_size) if mask[0, t // 32] >> (t % 32) & 1]
+    assert bad.error and set(allowed) <= set(engine.tokenizer.eos_token_ids)
+    assert remote[1].error is None
+    with pytest.raises(GrammarError, match="refused"):
+        bad.check()
+
+
+def test_remote_fork_and_rollback_follow_host_matchers(engine):
+    compiler = compiler_for(engine.tokenizer, engine.limits.vocab_size)
+    constraint = so("regex", "ab(c|d)e[0-9]{2}")
+    ids = compiler.ll_tokenizer.tokenize_str("abd")
+    remote_filler, host_filler = fillers(engine)
+    state = remote_filler.new_state(constraint, compiler)
+    for t in ids:
+        state.push(t)
+        remote_filler.start([state])()
+    child = state.fork()
+    state.rollback(1)  # consumed in the child: a rollback operation
+    state.push(ids[-1])
+    state.push(ids[-1])
+    state.rollback(1)  # pending: dropped on this side
+    twins = [GrammarState.start(compiler.prototype(constraint)) for _ in range(2)]
+    for t in ids:
+        twins[0].advance(t)
+        twins[1].advance(t)
+    assert torch.equal(remote_filler.start([state, child])(), host_filler.fill(twins))
+    assert state.num_tokens == child.num_tokens == len(ids)
+    with pytest.raises(ValueError):
+        child.rollback(len(ids) + 1)
+
+
+def test_dropped_states_are_freed_in_the_child(engine):
+    compiler = compiler_for(engine.tokenizer, engine.limits.vocab_size)
+    remote_filler, _ = fillers(engine)
+    state = remote_filler.new_state(so("regex", "[a-z]{4}"), compiler)
+    slot = state.slot
+    del state
+    assert ("free", slot) in remote_filler.service.ops
+
+
+def test_a_dead_grammar_process_gives_a_clear_error(engine):
+    compiler = compiler_for(engine.tokenizer, engine.limits.vocab_size)
+    remote_filler, _ = fillers(engine)
+    states = [remote_filler.new_state(so("regex", "[a-z]{8}"), compiler) for _ in range(2)]
+    remote_filler.start(states)()
+    assert not any(name.startswith("minserve-grammar-") for name in os.listdir("/dev/shm"))
+    remote_filler.service._proc.kill()
+    remote_filler.service._proc.wait()
+    time.sleep(0.05)
+    with pytest.raises(GrammarProcessError, match="exited|gone"):
+        remote_filler.start(states)()
+
+
+def requests(seed: int) -> list[tuple[str, SamplingParams]]:
+    cases = [so("json", s) for s in SCHEMAS[:6]] + [so("regex", r) for r in REGEXES[:4]]
+    reqs = [
+        (f"{PROMPT} {i}", SamplingParams(max_tokens=60, temperature=1.0, seed=seed + i, structured=c))
+        for i, c in enumerate(cases)
+    ]
+    forked = SamplingParams(max_tokens=60, temperature=1.0, seed=seed, n=3, structured=so("json", SCHEMAS[2]))
+    plain = SamplingParams(max_tokens=40, temperature=1.0, seed=seed + 99)
+    return reqs + [(PROMPT, forked), (PROMPT + " free text", plain)]
+
+
+def outputs(engine: LLMEngine, reqs) -> dict[str, dict[int, tuple]]:
+    ids = [engine.add_request(p, sp) for p, sp in reqs]
+    got: dict[str, dict[int, list]] = {rid: {} for rid in ids}
+    while engine.has_unfinished():
+        for out in engine.step():
+            for d in out.outputs:
+                s = got[out.request_id].setdefault(d.index, [[], None])
+                s[0] += d.token_ids
+                s[1] = d.finish_reason or s[1]
+    assert engine.audit() == [] and engine.block_manager.num_used == 0
+    return [{i: (tuple(t), r) for i, (t, r) in got[rid].items()} for rid in ids]
+
+
+@pytest.mark.parametrize("kw", [{}, {"block_size": 4, "num_blocks": 48}, {"async_scheduling": False}])
+def test_the_process_and_the_thread_give_the_same_outputs(tiny_model_dir, engine, kw):
+    """Seeded sampling at temperature 1: only identical masks give identical tokens. With a small pool
+    the requests are preempted and recomputed; n=3 forks the matcher."""
+    in_process = make_engine(tiny_model_dir, grammar_process=True, **kw)
+    on_thread = engine if not kw else make_engine(tiny_model_dir, grammar_process=False, **kw)
+    reqs = requests(seed=7)
+    got = outputs(in_process, reqs)
+    assert got == outputs(on_thread, reqs)
+    assert isinstance(in_process.runner.bitmasks, ProcessBitmaskFiller)
+    assert sum(r == "stop" for out in got for _, r in out.values()) >= len(got) // 2
+    if "num_blocks" in kw:
+        assert in_process.scheduler.num_preemptions > 0, "the pool must be small enough to preempt"
+
+
+def test_a_failed_job_raises_at_its_wait_and_the_next_job_works(engine):
+    compiler = compiler_for(engine.tokenizer, engine.limits.vocab_size)
+    remote_filler, host_filler = fillers(engine)
+    constraint = so("regex", "[a-z]{8}")
+    state = remote_filler.new_state(constraint, compiler)
+    expected = host_filler.fill([GrammarState.start(compiler.prototype(constraint))])
+    remote_filler.service.submit(0, [10**9], [], [])  # a slot the child never made
+    with pytest.raises(GrammarProcessError, match="KeyError"):
+        remote_filler.service.wait()
+    assert torch.equal(remote_filler.start([state])(), expected)
