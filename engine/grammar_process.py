@@ -38,6 +38,7 @@ PROTOTYPES = 256  # compiled grammars kept in the child (the engine's compiler k
 # constraint. 1B shape, batch 64, one H100 host: the child's consume and fill took 505 us on 2
 # threads, 470-570 on 4 and 430 on 8 (benchmarks/reports/gpu/structured_process_h100.md).
 THREADS = int(os.environ.get("MINSERVE_GRAMMAR_THREADS", min(8, max(1, (os.cpu_count() or 2) // 2))))
+STATES_PER_REPLICA = 8
 PIN = os.environ.get("MINSERVE_GRAMMAR_PIN", "1") == "1"  # split_cpus below
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -144,13 +145,18 @@ class GrammarProcess:
             self._proc.kill()
 
 
+# the CPUs this process may use, read before any thread is pinned: every service splits the same set,
+# so a second engine in one process does not shrink the first one's share
+_ALLOWED = frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+
+
 def split_cpus(threads: int) -> list[int] | None:
     """Give the child whole cores of its own, and keep the calling (loop) thread off them. Unpinned,
     the kernel tends to wake the child on the loop's own CPU (or its hyperthread sibling), where its
     fill slows the loop's Python. None (nothing pinned) with fewer than four cores."""
-    if not hasattr(os, "sched_getaffinity"):
+    if _ALLOWED is None:
         return None
-    allowed = os.sched_getaffinity(0)
+    allowed = _ALLOWED
     cores: dict[frozenset, None] = {}
     for cpu in sorted(allowed):
         try:
@@ -188,6 +194,7 @@ class _Channel:
     def __init__(self, sock: socket.socket):
         self.sock = sock
         self._buf = bytearray()
+        self._chunk = bytearray(1 << 16)  # recv_into this: no 64 KiB bytes object per read
 
     def send(self, kind: int, payload: bytes = b"") -> None:
         self.sock.sendall(_HEADER.pack(kind, len(payload)) + payload)
@@ -201,10 +208,10 @@ class _Channel:
                     payload = bytes(self._buf[_HEADER.size : end])
                     del self._buf[:end]
                     return kind, payload
-            chunk = self.sock.recv(1 << 16)
-            if not chunk:
+            got = self.sock.recv_into(self._chunk)
+            if not got:
                 raise EOFError("the other end closed the channel")
-            self._buf += chunk
+            self._buf += memoryview(self._chunk)[:got]
 
 
 class _Matchers:
@@ -222,36 +229,50 @@ class _Matchers:
         self.pool = llguidance.LLExecutor(threads)
         self.replicas = threads
         self.by_slot: dict[int, object] = {}
+        self.key_of: dict[int, tuple[str, str]] = {}  # slot -> its constraint, for `live`
+        self.live: dict[tuple[str, str], int] = {}  # states per constraint
         self.prototypes: OrderedDict[tuple[str, str], object] = OrderedDict()
         self.refusals: list[tuple[int, str]] = []
 
-    def prototype(self, kind: str, spec: str, slot: int):
-        """One of the constraint's independently compiled replicas, by slot. Deep copies of one
-        compiled matcher share its lexer behind a lock, so the pool's threads fill rows of
-        different replicas in parallel but would wait on each other over copies of one. Replicas
-        are compiled as states need them: one request compiles one."""
-        key = (kind, spec)
+    def prototype(self, key: tuple[str, str]):
+        """One of the constraint's independently compiled replicas. Deep copies of one compiled
+        matcher share its lexer behind a lock, so the pool's threads fill rows of different
+        replicas in parallel but would wait on each other over copies of one. A replica is compiled
+        per STATES_PER_REPLICA live states of the constraint (up to one per thread): a lone request
+        reuses the warm first one, and a batch of one schema spreads over several."""
         found = self.prototypes.setdefault(key, [])
         self.prototypes.move_to_end(key)
         while len(self.prototypes) > PROTOTYPES:
             self.prototypes.popitem(last=False)
-        if len(found) < self.replicas:
-            grammar = self.structured.grammar_text(kind, spec)
+        live = self.live.get(key, 0)
+        if len(found) < min(self.replicas, 1 + live // STATES_PER_REPLICA):
+            grammar = self.structured.grammar_text(*key)
             found.append(self.llg.LLMatcher(self.tokenizer, grammar, log_level=0, limits=self.limits))
-            return found[-1]
-        return found[slot % len(found)]
+        return found[live % len(found)]
+
+    def track(self, slot: int, key: tuple[str, str] | None) -> None:
+        """Count `slot` as a live state of `key` (None: drop it)."""
+        old = self.key_of.pop(slot, None)
+        if old is not None:
+            self.live[old] -= 1
+        if key is not None:
+            self.key_of[slot] = key
+            self.live[key] = self.live.get(key, 0) + 1
 
     def apply(self, op: tuple) -> None:
         name, slot = op[0], op[1]
         if name == "new":  # ("new", slot, kind, spec): the engine compiled it already (admission)
-            matcher = self.prototype(op[2], op[3], slot).deep_copy()
+            matcher = self.prototype((op[2], op[3])).deep_copy()
             if matcher.is_error():
                 self.refusals.append((slot, matcher.get_error()))
             self.by_slot[slot] = matcher
+            self.track(slot, (op[2], op[3]))
         elif name == "fork":  # ("fork", slot, source)
             self.by_slot[slot] = self.by_slot[op[2]].deep_copy()
+            self.track(slot, self.key_of.get(op[2]))
         elif name == "free":
             self.by_slot.pop(slot, None)
+            self.track(slot, None)
         elif name == "consume":  # ("consume", slot, tokens): earlier tokens than a job's one
             matcher = self.by_slot[slot]
             for token in op[2]:
@@ -277,11 +298,14 @@ class _Matchers:
             if not all(verdicts):
                 for slot, (matcher, token), ok in zip(slots, pairs, verdicts, strict=True):
                     self.consume(slot, matcher, token, ok)
-        rows = [(self.by_slot[slot], i) for i, slot in enumerate(fill)]
+        # slot -1: a state released (its request aborted) after its step was scheduled; the row's
+        # draw is discarded, so its mask is left as it was
+        rows = [(self.by_slot[slot], i) for i, slot in enumerate(fill) if slot >= 0]
         if len(rows) == 1:
-            rows[0][0].unsafe_compute_mask_ptr(base, row_bytes)
+            matcher, i = rows[0]
+            matcher.unsafe_compute_mask_ptr(base + i * row_bytes, row_bytes)
         elif rows:
-            self.pool.unsafe_compute_mask_ptr(rows, base, row_bytes, len(rows))
+            self.pool.unsafe_compute_mask_ptr(rows, base, row_bytes, len(fill))
         refusals, self.refusals = self.refusals, []
         return refusals
 

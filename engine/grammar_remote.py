@@ -67,9 +67,16 @@ class RemoteGrammar:
             self.service.ops.append(("rollback", self.slot, n - dropped))
             self.num_consumed -= n - dropped
 
+    def release(self) -> None:
+        """Free the child's matcher (once): when the request retires, since a request and its
+        sequences form a reference cycle that only the cyclic collector would otherwise break."""
+        if self.slot is not None:
+            self.service.ops.append(("free", self.slot))
+            self.slot = None
+
     def __del__(self) -> None:
         try:
-            self.service.ops.append(("free", self.slot))
+            self.release()
         except AttributeError:  # interpreter shutdown, or __init__ never ran
             pass
 
@@ -125,14 +132,14 @@ class ProcessBitmaskFiller(BitmaskFiller):
         slots, tokens = [], []
         for state in states:
             pending = state.pending
-            if pending:
+            if pending and state.slot is not None:
                 if len(pending) > 1:  # earlier tokens, consumed one by one before the job's
                     self.service.ops.append(("consume", state.slot, pending[:-1]))
                 slots.append(state.slot)
                 tokens.append(pending[-1])
                 state.num_consumed += len(pending)
                 pending.clear()
-        self.service.submit(turn, [s.slot for s in states], slots, tokens)
+        self.service.submit(turn, [-1 if s.slot is None else s.slot for s in states], slots, tokens)
 
         def join() -> torch.Tensor:
             refusals = self.service.wait()

@@ -120,6 +120,9 @@ class GrammarState:
     def fork(self) -> GrammarState:
         return GrammarState(self.matcher.deep_copy(), self.num_consumed, list(self.pending))
 
+    def release(self) -> None:
+        """Nothing to free early: the matcher goes with this object (see RemoteGrammar.release)."""
+
 
 @dataclass(slots=True)
 class _Plan:

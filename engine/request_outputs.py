@@ -81,6 +81,9 @@ class OutputBuilder:
     def _retire(self, request: Request) -> None:
         """After its final output was built (which may still read its prompt logprobs)."""
         self.requests.pop(request.request_id, None)
+        for seq in request.seqs:
+            if seq.grammar is not None:
+                seq.grammar.release()
         self.stats["generation_tokens_total"] += request.completion_tokens
         if request.params.prompt_logprobs is not None:
             self.prompt_logprobs.drop(request)

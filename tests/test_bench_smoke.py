@@ -120,17 +120,25 @@ def test_structured_bench_smoke(tmp_path):
 
 def test_step_phases_smoke(tmp_path):
     """benchmarks/step_phases.py on the tiny model (CPU): the mask's phases appear only when rows are
-    constrained, and every engine step is counted once."""
+    constrained, in the matcher process or on the thread as the mode says, and every engine step is
+    counted once."""
     from benchmarks.step_phases import main
 
     out = tmp_path / "out"
-    args = ["--model", "tiny", "--modes", "none,all", "--runs", "1", "--gen", "6", "--batch", "4"]
+    args = ["--model", "tiny", "--modes", "none,all,all/thread", "--runs", "1", "--gen", "6", "--batch", "4"]
     main(args + ["--out", str(out), "--ckpt-dir", str(tmp_path)])
     data = json.loads((out / "step_phases.json").read_text())
-    none, constrained = data["modes"]
-    assert none["phases"]["LLMEngine._step"]["calls_per_step"] == 1.0
-    assert "BitmaskFiller._upload" not in none["phases"] and "BitmaskFiller._run" not in none["phases"]
-    runs = constrained["phases"]["BitmaskFiller._run"]["calls_per_step"]  # one consume and fill per draw
-    assert 0.5 < runs <= 1.0 and constrained["phases"]["BitmaskFiller._plan"]["calls_per_step"] == runs
-    assert constrained["phases"]["BitmaskFiller._upload"]["us_per_step"] > 0
+    none, remote, thread = (m["phases"] for m in data["modes"])
+    assert none["LLMEngine._step"]["calls_per_step"] == 1.0
+    assert not any("Bitmask" in k or "Grammar" in k or "child" in k for k in none)
+    jobs = remote["GrammarProcess.submit"]["calls_per_step"]  # one consume and fill per draw
+    assert 0.5 < jobs <= 1.0 and remote["GrammarProcess.wait"]["calls_per_step"] == jobs
+    assert remote["child: consume + fill"]["us_per_step"] > 0 and "BitmaskFiller._run" not in remote
+    runs = thread["BitmaskFiller._run"]["calls_per_step"]
+    assert 0.5 < runs <= 1.0 and thread["BitmaskFiller._plan"]["calls_per_step"] == runs
+    assert "GrammarProcess.submit" not in thread
+    assert (
+        remote["BitmaskFiller._upload"]["us_per_step"] > 0
+        and thread["BitmaskFiller._upload"]["us_per_step"] > 0
+    )
     assert "| BitmaskFiller._upload |" in (out / "step_phases.md").read_text()

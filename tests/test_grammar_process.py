@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from benchmarks.structured_cases import REGEXES, SCHEMAS
+from engine import grammar_process
 from engine.config import EngineConfig
 from engine.grammar_process import GrammarProcessError
 from engine.grammar_remote import ProcessBitmaskFiller
@@ -93,13 +94,49 @@ def test_remote_fork_and_rollback_follow_host_matchers(engine):
         child.rollback(len(ids) + 1)
 
 
-def test_dropped_states_are_freed_in_the_child(engine):
+def test_released_and_dropped_states_are_freed_in_the_child(engine):
     compiler = compiler_for(engine.tokenizer, engine.limits.vocab_size)
-    remote_filler, _ = fillers(engine)
-    state = remote_filler.new_state(so("regex", "[a-z]{4}"), compiler)
-    slot = state.slot
-    del state
-    assert ("free", slot) in remote_filler.service.ops
+    remote_filler, host_filler = fillers(engine)
+    constraint = so("regex", "[a-z]{4}")
+    dropped, released, kept = (remote_filler.new_state(constraint, compiler) for _ in range(3))
+    slots = dropped.slot, released.slot
+    del dropped
+    released.release()
+    released.release()  # once only
+    assert [op for op in remote_filler.service.ops if op[0] == "free"] == [("free", s) for s in slots]
+    # a state released after its step was scheduled (an abort) still rides in that step's fill
+    got = remote_filler.start([released, kept])()
+    expected = host_filler.fill([GrammarState.start(compiler.prototype(constraint))])
+    assert torch.equal(got[1], expected[0])
+
+
+def test_retired_requests_free_their_matchers(tiny_model_dir, monkeypatch):
+    """A request and its sequences form a reference cycle, so the engine releases matchers when a
+    request retires rather than waiting for the cyclic collector."""
+    made = []
+    new_state = ProcessBitmaskFiller.new_state
+    monkeypatch.setattr(ProcessBitmaskFiller, "new_state", lambda *a: made.append(new_state(*a)) or made[-1])
+    eng = make_engine(tiny_model_dir, grammar_process=True)
+    outputs(eng, requests(seed=3))
+    assert len(made) == 11 and all(state.slot is None for state in made)
+
+
+def test_split_cpus_gives_the_child_whole_cores_and_is_stable(monkeypatch):
+    """16 CPUs as 8 cores of two hyperthreads (i, i + 8): the child gets whole cores, the calling
+    thread the rest, and a second call (a second engine) splits the same set again."""
+    monkeypatch.setattr(grammar_process, "_ALLOWED", frozenset(range(16)))
+    pinned = []
+    monkeypatch.setattr(grammar_process.os, "sched_setaffinity", lambda pid, cpus: pinned.append(set(cpus)))
+    siblings = {
+        f"/sys/devices/system/cpu/cpu{c}/topology/thread_siblings_list": f"{c % 8},{c % 8 + 8}"
+        for c in range(16)
+    }
+    monkeypatch.setattr(grammar_process.Path, "read_text", lambda self: siblings[str(self)])
+    first, second = grammar_process.split_cpus(2), grammar_process.split_cpus(2)
+    assert first == second == [6, 7, 14, 15]
+    assert pinned == [set(range(16)) - set(first)] * 2
+    monkeypatch.setattr(grammar_process, "_ALLOWED", frozenset(range(3)))
+    assert grammar_process.split_cpus(2) is None  # under four cores: nothing pinned
 
 
 def test_a_dead_grammar_process_gives_a_clear_error(engine):
