@@ -151,9 +151,10 @@ _ALLOWED = frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity"
 
 
 def split_cpus(threads: int) -> list[int] | None:
-    """Give the child whole cores of its own, and keep the calling (loop) thread off them. Unpinned,
-    the kernel tends to wake the child on the loop's own CPU (or its hyperthread sibling), where its
-    fill slows the loop's Python. None (nothing pinned) with fewer than four cores."""
+    """The child's CPUs: whole cores at the end of the process's set, so that the kernel does not wake
+    it on the loop's own CPU (or that CPU's hyperthread sibling), where its fill would slow the
+    loop's Python. The loop's thread is left unpinned: threads it starts later (torch's CPU pool)
+    would inherit a narrower set than their count assumes. None (unpinned) under four cores."""
     if _ALLOWED is None:
         return None
     allowed = _ALLOWED
@@ -167,9 +168,7 @@ def split_cpus(threads: int) -> list[int] | None:
     if len(cores) < 4:
         return None
     ours = list(cores)[-max(1, min(threads, len(cores) // 2)) :]
-    child = sorted(set().union(*ours))
-    os.sched_setaffinity(0, allowed - set(child))
-    return child
+    return sorted(set().union(*ours))
 
 
 def _cpu_list(text: str) -> list[int]:

@@ -122,19 +122,17 @@ def test_retired_requests_free_their_matchers(tiny_model_dir, monkeypatch):
 
 
 def test_split_cpus_gives_the_child_whole_cores_and_is_stable(monkeypatch):
-    """16 CPUs as 8 cores of two hyperthreads (i, i + 8): the child gets whole cores, the calling
-    thread the rest, and a second call (a second engine) splits the same set again."""
+    """16 CPUs as 8 cores of two hyperthreads (i, i + 8): the child gets whole cores at the end, a
+    second engine's child the same ones, and the calling thread is never pinned."""
     monkeypatch.setattr(grammar_process, "_ALLOWED", frozenset(range(16)))
     pinned = []
     monkeypatch.setattr(grammar_process.os, "sched_setaffinity", lambda pid, cpus: pinned.append(set(cpus)))
-    siblings = {
-        f"/sys/devices/system/cpu/cpu{c}/topology/thread_siblings_list": f"{c % 8},{c % 8 + 8}"
-        for c in range(16)
-    }
+    topology = "/sys/devices/system/cpu/cpu{}/topology/thread_siblings_list"
+    siblings = {topology.format(c): f"{c % 8},{c % 8 + 8}" for c in range(16)}
     monkeypatch.setattr(grammar_process.Path, "read_text", lambda self: siblings[str(self)])
-    first, second = grammar_process.split_cpus(2), grammar_process.split_cpus(2)
-    assert first == second == [6, 7, 14, 15]
-    assert pinned == [set(range(16)) - set(first)] * 2
+    assert grammar_process.split_cpus(2) == grammar_process.split_cpus(2) == [6, 7, 14, 15]
+    assert grammar_process.split_cpus(64) == [4, 5, 6, 7, 12, 13, 14, 15]  # at most half the cores
+    assert pinned == []
     monkeypatch.setattr(grammar_process, "_ALLOWED", frozenset(range(3)))
     assert grammar_process.split_cpus(2) is None  # under four cores: nothing pinned
 
