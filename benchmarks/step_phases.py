@@ -54,8 +54,8 @@ def phases() -> list[tuple[object, str]]:
         (grammar_state.BitmaskFiller, "_plan"), (grammar_state.BitmaskFiller, "_upload"),
         (grammar_state.GrammarState, "advance"), (sampler.Sampler, "draw"),
         (grammar_remote.ProcessBitmaskFiller, "start"), (grammar_process.GrammarProcess, "submit"),
-        (grammar_process.GrammarProcess, "wait"), (grammar_process._Channel, "recv"),
-        (grammar_process._Channel, "send"), (model_runner.ModelRunner, "_sample"),
+        (grammar_process.GrammarProcess, "wait"), (grammar_process.Channel, "recv"),
+        (grammar_process.Channel, "send"), (model_runner.ModelRunner, "_sample"),
         (sampler.PendingSample, "resolve"),
     ]  # fmt: skip
 

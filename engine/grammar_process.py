@@ -11,9 +11,8 @@ The child applies the messages in order: state operations, then the job's consum
 The engine's view of each state (engine/grammar_remote.RemoteGrammar) is therefore exact whenever it
 sends: every operation it queued is applied before any later job reads the matcher.
 
-No torch here: the child imports only llguidance and engine/structured (grammar texts, limits).
-
-    python -m engine.grammar_process FD   # started by GrammarProcess, never by hand
+No torch here or in the child (engine/grammar_worker.py), which imports only llguidance and
+engine/structured (grammar texts, limits).
 """
 
 from __future__ import annotations
@@ -29,16 +28,13 @@ import sys
 import tempfile
 import time
 from array import array
-from collections import OrderedDict
 from pathlib import Path
 
 READY_TIMEOUT_S = 120.0  # building a 128k-vocabulary tokenizer takes about a second
-PROTOTYPES = 256  # compiled grammars kept in the child (the engine's compiler keeps its own)
 # llguidance's pool threads in the child, and at most as many independently compiled replicas per
 # constraint. 1B shape, batch 64, one H100 host: the child's consume and fill took 505 us on 2
 # threads, 470-570 on 4 and 430 on 8 (benchmarks/reports/gpu/structured_process_h100.md).
 THREADS = int(os.environ.get("MINSERVE_GRAMMAR_THREADS", min(8, max(1, (os.cpu_count() or 2) // 2))))
-STATES_PER_REPLICA = 8
 PIN = os.environ.get("MINSERVE_GRAMMAR_PIN", "1") == "1"  # split_cpus below
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -80,13 +76,13 @@ class GrammarProcess:
         path_list = [str(ROOT), os.environ.get("PYTHONPATH")]  # the child imports engine/ from here
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, path_list)))
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "engine.grammar_process", str(theirs.fileno())],
+            [sys.executable, "-m", "engine.grammar_worker", str(theirs.fileno())],
             pass_fds=[theirs.fileno()],
             env=env,
             stdin=subprocess.DEVNULL,
         )
         theirs.close()
-        self._channel = _Channel(ours)
+        self._channel = Channel(ours)
         child_cpus = split_cpus(threads) if pin else None
         setup = (path, tokenizer_spec, rows, words, turns, threads, child_cpus)
         self._channel.send(SETUP, pickle.dumps(setup, protocol=pickle.HIGHEST_PROTOCOL))
@@ -119,8 +115,8 @@ class GrammarProcess:
     def wait(self) -> list[tuple[int, str]]:
         """The job's refusals: (slot, llguidance's message) per token a matcher did not accept."""
         payload = self._expect(DONE, None)
-        self.began_at, self.ended_at = _TIMES.unpack_from(payload)
-        return pickle.loads(payload[_TIMES.size :]) if len(payload) > _TIMES.size else []
+        self.began_at, self.ended_at = TIMES.unpack_from(payload)
+        return pickle.loads(payload[TIMES.size :]) if len(payload) > TIMES.size else []
 
     def _expect(self, kind: int, timeout: float | None) -> bytes:
         try:
@@ -182,11 +178,11 @@ def _cpu_list(text: str) -> list[int]:
 
 # message kinds on the channel
 SETUP, READY, OPS, JOB, DONE, FAILED = range(6)
-_HEADER = struct.Struct("=iI")  # kind, payload bytes
-_TIMES = struct.Struct("=dd")  # a job's start and end in the child; pickled refusals may follow
+HEADER = struct.Struct("=iI")  # kind, payload bytes
+TIMES = struct.Struct("=dd")  # a job's start and end in the child; pickled refusals may follow
 
 
-class _Channel:
+class Channel:
     """Length-prefixed messages over a stream socket: one send per message, and usually one recv
     (multiprocessing's Connection costs a selector and several reads, tens of microseconds)."""
 
@@ -196,163 +192,18 @@ class _Channel:
         self._chunk = bytearray(1 << 16)  # recv_into this: no 64 KiB bytes object per read
 
     def send(self, kind: int, payload: bytes = b"") -> None:
-        self.sock.sendall(_HEADER.pack(kind, len(payload)) + payload)
+        self.sock.sendall(HEADER.pack(kind, len(payload)) + payload)
 
     def recv(self) -> tuple[int, bytes]:
         while True:
-            if len(self._buf) >= _HEADER.size:
-                kind, size = _HEADER.unpack_from(self._buf)
-                end = _HEADER.size + size
+            if len(self._buf) >= HEADER.size:
+                kind, size = HEADER.unpack_from(self._buf)
+                end = HEADER.size + size
                 if len(self._buf) >= end:
-                    payload = bytes(self._buf[_HEADER.size : end])
+                    payload = bytes(self._buf[HEADER.size : end])
                     del self._buf[:end]
                     return kind, payload
             got = self.sock.recv_into(self._chunk)
             if not got:
                 raise EOFError("the other end closed the channel")
             self._buf += memoryview(self._chunk)[:got]
-
-
-class _Matchers:
-    """The child's side: matchers by slot, compiled prototypes by (kind, spec), and llguidance's pool."""
-
-    def __init__(self, tokenizer_spec: tuple, threads: int):
-        import llguidance
-
-        from engine import structured
-
-        text, n_vocab, eos = tokenizer_spec
-        self.llg, self.structured = llguidance, structured
-        self.tokenizer = llguidance.LLTokenizer(text, n_vocab=n_vocab, eos_token=eos)
-        self.limits = structured.limits()
-        self.pool = llguidance.LLExecutor(threads)
-        self.replicas = threads
-        self.by_slot: dict[int, object] = {}
-        self.key_of: dict[int, tuple[str, str]] = {}  # slot -> its constraint, for `live`
-        self.live: dict[tuple[str, str], int] = {}  # states per constraint
-        self.prototypes: OrderedDict[tuple[str, str], object] = OrderedDict()
-        self.refusals: list[tuple[int, str]] = []
-
-    def prototype(self, key: tuple[str, str]):
-        """One of the constraint's independently compiled replicas. Deep copies of one compiled
-        matcher share its lexer behind a lock, so the pool's threads fill rows of different
-        replicas in parallel but would wait on each other over copies of one. A replica is compiled
-        per STATES_PER_REPLICA live states of the constraint (up to one per thread): a lone request
-        reuses the warm first one, and a batch of one schema spreads over several."""
-        found = self.prototypes.setdefault(key, [])
-        self.prototypes.move_to_end(key)
-        while len(self.prototypes) > PROTOTYPES:
-            self.prototypes.popitem(last=False)
-        live = self.live.get(key, 0)
-        if len(found) < min(self.replicas, 1 + live // STATES_PER_REPLICA):
-            grammar = self.structured.grammar_text(*key)
-            found.append(self.llg.LLMatcher(self.tokenizer, grammar, log_level=0, limits=self.limits))
-        return found[live % len(found)]
-
-    def track(self, slot: int, key: tuple[str, str] | None) -> None:
-        """Count `slot` as a live state of `key` (None: drop it)."""
-        old = self.key_of.pop(slot, None)
-        if old is not None:
-            self.live[old] -= 1
-        if key is not None:
-            self.key_of[slot] = key
-            self.live[key] = self.live.get(key, 0) + 1
-
-    def apply(self, op: tuple) -> None:
-        name, slot = op[0], op[1]
-        if name == "new":  # ("new", slot, kind, spec): the engine compiled it already (admission)
-            matcher = self.prototype((op[2], op[3])).deep_copy()
-            if matcher.is_error():
-                self.refusals.append((slot, matcher.get_error()))
-            self.by_slot[slot] = matcher
-            self.track(slot, (op[2], op[3]))
-        elif name == "fork":  # ("fork", slot, source)
-            self.by_slot[slot] = self.by_slot[op[2]].deep_copy()
-            self.track(slot, self.key_of.get(op[2]))
-        elif name == "free":
-            self.by_slot.pop(slot, None)
-            self.track(slot, None)
-        elif name == "consume":  # ("consume", slot, tokens): earlier tokens than a job's one
-            matcher = self.by_slot[slot]
-            for token in op[2]:
-                self.consume(slot, matcher, token, matcher.consume_token(token))
-        elif name == "rollback":  # ("rollback", slot, n)
-            matcher = self.by_slot[slot]
-            if not matcher.rollback(op[2]):
-                self.refusals.append((slot, f"rollback of {op[2]} tokens failed: {matcher.get_error()}"))
-        else:
-            raise ValueError(f"unknown grammar operation {name!r}")
-
-    def consume(self, slot: int, matcher, token: int, ok: bool) -> None:
-        if not ok:
-            self.refusals.append((slot, f"the grammar refused token {token}: {matcher.get_error()}"))
-
-    def job(self, base: int, row_bytes: int, fill, slots, tokens) -> list:
-        if slots:
-            pairs = [(self.by_slot[slot], token) for slot, token in zip(slots, tokens, strict=True)]
-            if len(pairs) > 1:
-                verdicts = self.pool.consume_token_par(pairs)
-            else:
-                verdicts = [pairs[0][0].consume_token(pairs[0][1])]
-            if not all(verdicts):
-                for slot, (matcher, token), ok in zip(slots, pairs, verdicts, strict=True):
-                    self.consume(slot, matcher, token, ok)
-        # slot -1: a state released (its request aborted) after its step was scheduled; the row's
-        # draw is discarded, so its mask is left as it was
-        rows = [(self.by_slot[slot], i) for i, slot in enumerate(fill) if slot >= 0]
-        if len(rows) == 1:
-            matcher, i = rows[0]
-            matcher.unsafe_compute_mask_ptr(base + i * row_bytes, row_bytes)
-        elif rows:
-            self.pool.unsafe_compute_mask_ptr(rows, base, row_bytes, len(fill))
-        refusals, self.refusals = self.refusals, []
-        return refusals
-
-
-def serve(channel: _Channel) -> None:
-    """The child's loop: set up, then one reply per job until the engine closes the socket."""
-    import ctypes
-
-    kind, payload = channel.recv()
-    path, tokenizer_spec, rows, words, turns, threads, cpus = pickle.loads(payload)
-    if cpus:  # before llguidance's pool starts: its threads inherit this
-        os.sched_setaffinity(0, cpus)
-    with open(path, "r+b") as f:
-        buffer = mmap.mmap(f.fileno(), turns * rows * words * 4)
-    os.unlink(path)  # both processes have it mapped: nothing is left behind if either dies
-    base = ctypes.addressof(ctypes.c_char.from_buffer(buffer))
-    matchers = _Matchers(tokenizer_spec, threads)
-    channel.send(READY)
-    turn_bytes, row_bytes = rows * words * 4, words * 4
-    failed = None  # an operation's failure, answered in place of the next job's reply
-    while True:
-        try:
-            kind, payload = channel.recv()
-        except (EOFError, OSError):
-            return
-        if kind == OPS:  # applied now, answered with the next job
-            try:
-                for op in pickle.loads(payload):
-                    matchers.apply(op)
-            except Exception as exc:  # noqa: BLE001
-                failed = failed or f"{type(exc).__name__}: {exc}"
-            continue
-        try:
-            if failed is not None:
-                raise RuntimeError(failed)
-            began = time.perf_counter()
-            job = array("i")
-            job.frombytes(payload)
-            turn, n = job[0], job[1]
-            half = (len(job) - 2 - n) // 2
-            fill, slots, tokens = job[2 : 2 + n], job[2 + n : 2 + n + half], job[2 + n + half :]
-            refusals = matchers.job(base + turn * turn_bytes, row_bytes, fill, slots, tokens)
-            extra = pickle.dumps(refusals) if refusals else b""
-            channel.send(DONE, _TIMES.pack(began, time.perf_counter()) + extra)
-        except Exception as exc:  # noqa: BLE001 - handed to the engine, which fails the step
-            failed = None
-            channel.send(FAILED, f"{type(exc).__name__}: {exc}".encode())
-
-
-if __name__ == "__main__":
-    serve(_Channel(socket.socket(fileno=int(sys.argv[1]))))

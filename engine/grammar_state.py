@@ -17,6 +17,10 @@ fill of several rows on a worker thread: the caller's Python work (emitting reco
 next step) goes on meanwhile, and `join` uploads. Nothing else touches the matchers of a pending fill
 before its join: the engine's appends read only a state's `error`, and a fork happens only at a
 prompt's last chunk, of a sequence that has sampled nothing yet.
+
+These run in the engine's process when `EngineConfig.grammar_process` is off; by default the same
+contract is met by RemoteGrammar and ProcessBitmaskFiller (engine/grammar_remote.py), whose
+matchers live in a process of their own.
 """
 
 from __future__ import annotations

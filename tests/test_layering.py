@@ -278,3 +278,11 @@ def test_what_app_takes_from_the_engine_today():
         ("engine.sampling_params", "StructuredOutput"),
         ("engine.sampling_params", "ToolConfig"),
     ]
+
+
+def test_the_matcher_process_imports_neither_torch_nor_transformers():
+    """engine/grammar_worker.py starts a child per engine: it must stay light (llguidance only)."""
+    result = fresh_import(["engine.grammar_worker"])
+    assert not result["errors"], result["errors"]
+    for heavy in ("torch", "transformers"):
+        assert heavy not in result["modules"], f"{heavy} imported by {first_importer(result, heavy)}"
