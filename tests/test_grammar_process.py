@@ -12,30 +12,21 @@ import torch
 
 from benchmarks.structured_cases import REGEXES, SCHEMAS
 from engine import grammar_process
-from engine.config import EngineConfig
 from engine.grammar_process import GrammarProcessError
 from engine.grammar_remote import ProcessBitmaskFiller
 from engine.grammar_state import BitmaskFiller, GrammarError, GrammarState
 from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams, StructuredOutput
+from engine.sampling_params import SamplingParams
 from engine.structured import compiler_for
+from tests.structured_helpers import PROMPT, make_engine, run, so
 
 pytest.importorskip("llguidance")
 pytestmark = pytest.mark.engine
-PROMPT = "Answer in the requested format:"
-
-
-def make_engine(model_dir, **kw) -> LLMEngine:
-    return LLMEngine(EngineConfig.from_kwargs(str(model_dir), dtype="float32", device="cpu", **kw))
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir) -> LLMEngine:
     return make_engine(tiny_model_dir, grammar_process=False)
-
-
-def so(kind: str, spec=None) -> StructuredOutput:
-    return StructuredOutput(kind, spec, field="response_format")
 
 
 def fillers(engine: LLMEngine) -> tuple[ProcessBitmaskFiller, BitmaskFiller]:
@@ -117,7 +108,7 @@ def test_retired_requests_free_their_matchers(tiny_model_dir, monkeypatch):
     new_state = ProcessBitmaskFiller.new_state
     monkeypatch.setattr(ProcessBitmaskFiller, "new_state", lambda *a: made.append(new_state(*a)) or made[-1])
     eng = make_engine(tiny_model_dir, grammar_process=True)
-    outputs(eng, requests(seed=3))
+    run(eng, requests(seed=3))
     assert len(made) == 11 and all(state.slot is None for state in made)
 
 
@@ -161,30 +152,17 @@ def requests(seed: int) -> list[tuple[str, SamplingParams]]:
     return reqs + [(PROMPT, forked), (PROMPT + " free text", plain)]
 
 
-def outputs(engine: LLMEngine, reqs) -> dict[str, dict[int, tuple]]:
-    ids = [engine.add_request(p, sp) for p, sp in reqs]
-    got: dict[str, dict[int, list]] = {rid: {} for rid in ids}
-    while engine.has_unfinished():
-        for out in engine.step():
-            for d in out.outputs:
-                s = got[out.request_id].setdefault(d.index, [[], None])
-                s[0] += d.token_ids
-                s[1] = d.finish_reason or s[1]
-    assert engine.audit() == [] and engine.block_manager.num_used == 0
-    return [{i: (tuple(t), r) for i, (t, r) in got[rid].items()} for rid in ids]
-
-
 @pytest.mark.parametrize("kw", [{}, {"block_size": 4, "num_blocks": 48}, {"async_scheduling": False}])
-def test_the_process_and_the_thread_give_the_same_outputs(tiny_model_dir, engine, kw):
+def test_the_process_and_the_thread_give_the_same_run(tiny_model_dir, engine, kw):
     """Seeded sampling at temperature 1: only identical masks give identical tokens. With a small pool
     the requests are preempted and recomputed; n=3 forks the matcher."""
     in_process = make_engine(tiny_model_dir, grammar_process=True, **kw)
     on_thread = engine if not kw else make_engine(tiny_model_dir, grammar_process=False, **kw)
     reqs = requests(seed=7)
-    got = outputs(in_process, reqs)
-    assert got == outputs(on_thread, reqs)
+    got = run(in_process, reqs)
+    assert got == run(on_thread, reqs)
     assert isinstance(in_process.runner.bitmasks, ProcessBitmaskFiller)
-    assert sum(r == "stop" for out in got for _, r in out.values()) >= len(got) // 2
+    assert sum(r == "stop" for out in got for _, _, r in out.values()) >= len(got) // 2
     if "num_blocks" in kw:
         assert in_process.scheduler.num_preemptions > 0, "the pool must be small enough to preempt"
 

@@ -29,40 +29,17 @@ from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams, StructuredOutput
 from engine.structured import compiler_for
 from kernels import ops
+from tests.structured_helpers import PROMPT, make_engine, run, so
 
 # a bare GPU host (`pytest -m gpu`) may lack both: skip this module there instead of failing collection
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("llguidance")
 pytestmark = pytest.mark.engine
-PROMPT = "Answer in the requested format:"
-
-
-def make_engine(model_dir, **kw) -> LLMEngine:
-    return LLMEngine(EngineConfig.from_kwargs(str(model_dir), dtype="float32", device="cpu", **kw))
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir) -> LLMEngine:
     return make_engine(tiny_model_dir)
-
-
-def run(engine: LLMEngine, requests: list[tuple[object, SamplingParams]]) -> list[dict[int, tuple]]:
-    """Per request, per sample: (token ids, text, finish reason)."""
-    ids = [engine.add_request(p, sp) for p, sp in requests]
-    got: dict[str, dict[int, list]] = {rid: {} for rid in ids}
-    while engine.has_unfinished():
-        for out in engine.step():
-            for d in out.outputs:
-                s = got[out.request_id].setdefault(d.index, [[], "", None])
-                s[0] += d.token_ids
-                s[1] += d.text
-                s[2] = d.finish_reason or s[2]
-    assert engine.audit() == [] and engine.block_manager.num_used == 0
-    return [{i: tuple(s) for i, s in got[rid].items()} for rid in ids]
-
-
-def so(kind: str, spec=None) -> StructuredOutput:
-    return StructuredOutput(kind, spec, field="response_format")
 
 
 def sampled(structured: StructuredOutput, seed: int, max_tokens: int = 160, **kw) -> SamplingParams:
