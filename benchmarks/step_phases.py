@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> None:
         if via not in fillers:  # process:8: a matcher process with 8 threads; process:8:free unpinned
             _, threads, free = via.split(":") + [""] * (3 - len(via.split(":")))
             fillers[via] = grammar_remote.ProcessBitmaskFiller(
-                vocab, runner.device, args.batch, int(threads), pin=free != "free"
+                vocab, runner.device, args.batch, int(threads), pin_cores=free != "free"
             )
         runner.bitmasks = fillers[via]
         base, _, switch_us = mode_only.partition("@")  # e.g. all@20: a 20 us switch interval during fills

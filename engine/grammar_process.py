@@ -35,7 +35,7 @@ READY_TIMEOUT_S = 120.0  # building a 128k-vocabulary tokenizer takes about a se
 # constraint. 1B shape, batch 64, one H100 host: the child's consume and fill took 505 us on 2
 # threads, 470-570 on 4 and 430 on 8 (benchmarks/reports/gpu/structured_process_h100.md).
 THREADS = int(os.environ.get("MINSERVE_GRAMMAR_THREADS", min(8, max(1, (os.cpu_count() or 2) // 2))))
-PIN = os.environ.get("MINSERVE_GRAMMAR_PIN", "1") == "1"  # split_cpus below
+PIN_CORES = os.environ.get("MINSERVE_GRAMMAR_PIN", "1") == "1"  # split_cpus below
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -56,7 +56,7 @@ class GrammarProcess:
         words: int,
         turns: int,
         threads: int = THREADS,
-        pin: bool = PIN,
+        pin_cores: bool = PIN_CORES,
     ):
         self.rows, self.words, self.turns = rows, words, turns
         self.ops: list[tuple] = []
@@ -83,7 +83,7 @@ class GrammarProcess:
         )
         theirs.close()
         self._channel = Channel(ours)
-        child_cpus = split_cpus(threads) if pin else None
+        child_cpus = split_cpus(threads) if pin_cores else None
         setup = (path, tokenizer_spec, rows, words, turns, threads, child_cpus)
         self._channel.send(SETUP, pickle.dumps(setup, protocol=pickle.HIGHEST_PROTOCOL))
 

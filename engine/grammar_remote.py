@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from engine.grammar_process import PIN, THREADS, GrammarProcess
+from engine.grammar_process import PIN_CORES, THREADS, GrammarProcess
 from engine.grammar_state import BitmaskFiller, GrammarError, _Buffers
 
 
@@ -92,10 +92,15 @@ class ProcessBitmaskFiller(BitmaskFiller):
     """BitmaskFiller whose consumes and fills run in the matcher process."""
 
     def __init__(
-        self, vocab_size: int, device: torch.device, max_rows: int, threads: int = THREADS, pin: bool = PIN
+        self,
+        vocab_size: int,
+        device: torch.device,
+        max_rows: int,
+        threads: int = THREADS,
+        pin_cores: bool = PIN_CORES,
     ):
         super().__init__(vocab_size, device)
-        self.max_rows, self.threads, self.pin = max_rows, threads, pin
+        self.max_rows, self.threads, self.pin_cores = max_rows, threads, pin_cores
         self.service: GrammarProcess | None = None  # started with the first constrained request
 
     def new_state(self, so, compiler) -> RemoteGrammar:
@@ -107,7 +112,7 @@ class ProcessBitmaskFiller(BitmaskFiller):
 
     def _start_service(self, tokenizer_spec: tuple) -> None:
         service = GrammarProcess(
-            tokenizer_spec, self.max_rows, self.words, self.BUFFERS, self.threads, self.pin
+            tokenizer_spec, self.max_rows, self.words, self.BUFFERS, self.threads, self.pin_cores
         )
         host = torch.frombuffer(service.buffer, dtype=torch.int32)
         host = host.view(self.BUFFERS, self.max_rows, self.words)
