@@ -64,12 +64,12 @@ class GrammarProcess:
         # sent by the engine, started and ended in the child
         self.sent_at = self.began_at = self.ended_at = 0.0
         self._ready = False
-        shm_dir = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        fd, path = tempfile.mkstemp(prefix="minserve-grammar-", dir=shm_dir)
+        size = turns * rows * words * 4
+        fd, path = tempfile.mkstemp(prefix="minserve-grammar-", dir=buffer_dir(size))
         self._path = path
         try:
-            os.ftruncate(fd, turns * rows * words * 4)
-            self.buffer = mmap.mmap(fd, turns * rows * words * 4)
+            os.ftruncate(fd, size)
+            self.buffer = mmap.mmap(fd, size)
         finally:
             os.close(fd)
         ours, theirs = socket.socketpair()
@@ -139,6 +139,17 @@ class GrammarProcess:
             self._proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             self._proc.kill()
+
+
+def buffer_dir(size: int, shm: str = "/dev/shm") -> str | None:
+    """Where the shared mask buffer goes: /dev/shm when it has room for twice `size` (a container's
+    default 64 MiB may not: writing past a full tmpfs kills the writer with SIGBUS), else the
+    system's temporary directory (None), whose page cache serves the same purpose."""
+    try:
+        stat = os.statvfs(shm)
+    except OSError:
+        return None
+    return shm if stat.f_bavail * stat.f_frsize >= 2 * size else None
 
 
 # the CPUs this process may use, read before any thread is pinned: every service splits the same set,

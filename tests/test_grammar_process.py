@@ -177,3 +177,20 @@ def test_a_failed_job_raises_at_its_wait_and_the_next_job_works(engine):
     with pytest.raises(GrammarProcessError, match="KeyError"):
         remote_filler.service.wait()
     assert torch.equal(remote_filler.start([state])(), expected)
+
+
+def test_the_mask_buffer_leaves_a_small_dev_shm_alone(tmp_path, monkeypatch):
+    """A container's /dev/shm (64 MiB by default) may be too small for 1024 rows of a 262k vocabulary;
+    a full tmpfs would kill the child with SIGBUS, so the buffer goes to the temporary directory."""
+    free = {"bytes": 64 << 20}
+    real = grammar_process.os.statvfs
+
+    def statvfs(path):
+        if path != str(tmp_path):
+            return real(path)
+        return type("S", (), {"f_bavail": free["bytes"] // 4096, "f_frsize": 4096})()
+
+    monkeypatch.setattr(grammar_process.os, "statvfs", statvfs)
+    assert grammar_process.buffer_dir(16 << 20, shm=str(tmp_path)) == str(tmp_path)
+    assert grammar_process.buffer_dir(2 * 1024 * 8192 * 4, shm=str(tmp_path)) is None
+    assert grammar_process.buffer_dir(1, shm=str(tmp_path / "missing")) is None
