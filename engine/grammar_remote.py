@@ -20,30 +20,16 @@ from collections.abc import Callable
 import torch
 
 from engine.grammar_process import PIN_CORES, THREADS, GrammarProcess
-from engine.grammar_state import BitmaskFiller, GrammarError, _Buffers
+from engine.grammar_state import BitmaskFiller, GrammarError, SampledTokens, _Buffers
 
 
-class RemoteGrammar:
-    __slots__ = ("service", "slot", "num_consumed", "pending", "error", "__weakref__")
+class RemoteGrammar(SampledTokens):
+    __slots__ = ("service", "slot", "__weakref__")
 
     def __init__(self, service: GrammarProcess, slot: int, num_consumed: int = 0, pending=None):
+        super().__init__(num_consumed, pending)  # num_consumed: tokens sent to the child
         self.service = service
         self.slot = slot  # the child's name for this state's matcher
-        self.num_consumed = num_consumed  # tokens sent to the child to consume
-        self.pending: list[int] = pending if pending is not None else []  # sampled, not sent yet
-        self.error: str | None = None  # the child's first refusal (set at a join)
-
-    @property
-    def num_tokens(self) -> int:
-        return self.num_consumed + len(self.pending)
-
-    def push(self, token: int) -> None:
-        """Take one sampled token; the child consumes it in the next job."""
-        self.pending.append(token)
-
-    def check(self) -> None:
-        if self.error is not None:
-            raise GrammarError(self.error)
 
     def refused(self, message: str) -> None:
         if self.error is None:
@@ -59,13 +45,10 @@ class RemoteGrammar:
     def rollback(self, n: int) -> None:
         """Undo the last n sampled tokens, pending ones first. A failed rollback in the child (it
         keeps fewer tokens than asked) surfaces as `error` at the next join."""
-        if not 0 <= n <= self.num_tokens:
-            raise ValueError(f"cannot roll back {n} of {self.num_tokens} tokens")
-        dropped = min(n, len(self.pending))
-        del self.pending[len(self.pending) - dropped :]
-        if n - dropped:
-            self.service.ops.append(("rollback", self.slot, n - dropped))
-            self.num_consumed -= n - dropped
+        n = self._drop_pending(n)
+        if n:
+            self.service.ops.append(("rollback", self.slot, n))
+            self.num_consumed -= n
 
     def release(self) -> None:
         """Free the child's matcher (once): when the request retires, since a request and its

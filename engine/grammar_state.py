@@ -48,19 +48,16 @@ class GrammarError(RuntimeError):
     """The matcher refused a token (a bug, since the mask allows only tokens it accepts)."""
 
 
-class GrammarState:
-    __slots__ = ("matcher", "num_consumed", "pending", "error")
+class SampledTokens:
+    """What every grammar state keeps of its sequence's sampled tokens: those its matcher has taken
+    (`num_consumed`) and those waiting for the next fill (`pending`), plus the first refusal."""
 
-    def __init__(self, matcher, num_consumed: int = 0, pending: list[int] | None = None):
-        self.matcher = matcher  # an llguidance.LLMatcher owned by this sequence alone
-        self.num_consumed = num_consumed  # tokens the matcher has consumed
+    __slots__ = ("num_consumed", "pending", "error")
+
+    def __init__(self, num_consumed: int = 0, pending: list[int] | None = None):
+        self.num_consumed = num_consumed  # tokens the matcher has consumed (or was sent to)
         self.pending = pending if pending is not None else []  # sampled, not consumed yet
         self.error: str | None = None  # the matcher refused a pushed token (set by the filler)
-
-    @classmethod
-    def start(cls, prototype) -> GrammarState:
-        """A fresh state from a compiled prototype (engine/structured.GrammarCompiler.prototype)."""
-        return cls(prototype.deep_copy())
 
     @property
     def num_tokens(self) -> int:
@@ -72,17 +69,38 @@ class GrammarState:
         then and kept in `error` (the engine fails the request; its mask meanwhile allows only EOS)."""
         self.pending.append(token)
 
+    def check(self) -> None:
+        """Raise GrammarError if the matcher refused a consumed token."""
+        if self.error is not None:
+            raise GrammarError(self.error)
+
+    def _drop_pending(self, n: int) -> int:
+        """The pending part of rollback(n): drop up to n pending tokens; the consumed ones left."""
+        if not 0 <= n <= self.num_tokens:
+            raise ValueError(f"cannot roll back {n} of {self.num_tokens} tokens")
+        dropped = min(n, len(self.pending))
+        del self.pending[len(self.pending) - dropped :]
+        return n - dropped
+
+
+class GrammarState(SampledTokens):
+    __slots__ = ("matcher",)
+
+    def __init__(self, matcher, num_consumed: int = 0, pending: list[int] | None = None):
+        super().__init__(num_consumed, pending)
+        self.matcher = matcher  # an llguidance.LLMatcher owned by this sequence alone
+
+    @classmethod
+    def start(cls, prototype) -> GrammarState:
+        """A fresh state from a compiled prototype (engine/structured.GrammarCompiler.prototype)."""
+        return cls(prototype.deep_copy())
+
     def catch_up(self, keep: int = 0) -> None:
         """Consume all pending tokens but the last `keep` on the caller's thread (a refusal is
         recorded in `error`, raised by `check` or `sync`)."""
         for token in self.pending[: len(self.pending) - keep]:
             self.consumed(token, self.matcher.consume_token(token))
         del self.pending[: len(self.pending) - keep]
-
-    def check(self) -> None:
-        """Raise GrammarError if the matcher refused a consumed token."""
-        if self.error is not None:
-            raise GrammarError(self.error)
 
     def sync(self) -> bool:
         """Consume the pending tokens now; True when the grammar is complete (only EOS could follow)."""
@@ -112,11 +130,7 @@ class GrammarState:
 
     def rollback(self, n: int) -> None:
         """Undo the last n sampled tokens (n <= num_tokens), pending ones first."""
-        if not 0 <= n <= self.num_tokens:
-            raise ValueError(f"cannot roll back {n} of {self.num_tokens} tokens")
-        dropped = min(n, len(self.pending))
-        del self.pending[len(self.pending) - dropped :]
-        n -= dropped
+        n = self._drop_pending(n)
         if n and not self.matcher.rollback(n):
             raise GrammarError(f"rollback of {n} tokens failed: {self.matcher.get_error()}")
         self.num_consumed -= n

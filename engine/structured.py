@@ -24,7 +24,6 @@ No torch here: the replica imports this module without the model.
 from __future__ import annotations
 
 import copy
-import functools
 import json
 import threading
 from collections import OrderedDict
@@ -131,27 +130,18 @@ class GrammarCompiler:
     """Compiles constraints for one tokenizer and keeps the last CACHE_SIZE prototypes (thread-safe)."""
 
     def __init__(self, tokenizer, vocab_size: int, cache_size: int = CACHE_SIZE):
-        import llguidance.hf
+        import llguidance
 
-        # every EOS id the engine stops at: where the grammar accepts, any of them ends the sequence
-        eos = sorted(tokenizer.eos_token_ids) or None
-        self.ll_tokenizer = llguidance.hf.from_tokenizer(tokenizer.hf, n_vocab=vocab_size, eos_token=eos)
-        self._hf, self._eos = tokenizer.hf, eos
+        self.tokenizer_spec = tokenizer_spec(tokenizer, vocab_size)
+        self.ll_tokenizer = llguidance.LLTokenizer(
+            self.tokenizer_spec[0], n_vocab=vocab_size, eos_token=self.tokenizer_spec[2]
+        )
         self.vocab_size = vocab_size
         self.cache_size = cache_size
         self._limits = limits()
         self._cache: OrderedDict[tuple[str, str], object] = OrderedDict()
         self._lock = threading.Lock()
         self.compiles = 0  # cache misses, for tests and benchmarks
-
-    @functools.cached_property
-    def tokenizer_spec(self) -> tuple[str, int, list[int] | None]:
-        """What another process needs to build the same llguidance tokenizer: (the tokenizer's JSON
-        text, the vocabulary size, the EOS ids), as llguidance.hf.from_tokenizer builds it."""
-        backend = copy.copy(self._hf.backend_tokenizer)
-        backend.no_padding()
-        backend.no_truncation()
-        return backend.to_str(), self.vocab_size, self._eos
 
     @staticmethod
     def key(so: StructuredOutput) -> tuple[str, str]:
@@ -188,6 +178,19 @@ class GrammarCompiler:
         if matcher.is_error():
             raise _fail(so, _explain(kind, matcher.get_error()))
         return matcher
+
+
+def tokenizer_spec(tokenizer, vocab_size: int) -> tuple[str, int, list[int] | None]:
+    """What builds llguidance's tokenizer, here and in the matcher process: (the fast tokenizer's
+    JSON text without padding or truncation, the vocabulary size, every EOS id the engine stops at:
+    where the grammar accepts, any of them ends the sequence), as llguidance.hf.from_tokenizer reads it."""
+    backend = getattr(tokenizer.hf, "backend_tokenizer", None)
+    if backend is None:
+        raise ValueError("structured output needs a fast (Rust) tokenizer; this one is slow")
+    backend = copy.copy(backend)
+    backend.no_padding()
+    backend.no_truncation()
+    return backend.to_str(), vocab_size, sorted(tokenizer.eos_token_ids) or None
 
 
 _stack_lock = threading.Lock()
