@@ -42,6 +42,7 @@ def phases() -> list[tuple[object, str]]:
         sampler,
         scheduler,
         token_sink,
+        uploader,
     )
     from kernels import ops
 
@@ -51,12 +52,13 @@ def phases() -> list[tuple[object, str]]:
         (eng, "_launch_next"), (sink, "receive"), (sink, "complete"), (eng, "_start_draw"), (sink, "emit"),
         (ops, "apply_token_bitmask"), (ops, "argmax"),
         (grammar_state.BitmaskFiller, "_fill_rows"), (grammar_state.BitmaskFiller, "_run"),
-        (grammar_state.BitmaskFiller, "_plan"), (grammar_state.BitmaskFiller, "_upload"),
+        (grammar_state.BitmaskFiller, "_plan"), (grammar_state.BitmaskFiller, "_device_rows"),
         (grammar_state.GrammarState, "advance"), (sampler.Sampler, "draw"),
         (grammar_remote.ProcessBitmaskFiller, "start"), (grammar_process.GrammarProcess, "submit"),
         (grammar_process.GrammarProcess, "wait"), (grammar_process.Channel, "recv"),
         (grammar_process.Channel, "send"), (model_runner.ModelRunner, "_sample"),
-        (sampler.PendingSample, "resolve"),
+        (sampler.PendingSample, "resolve"), (sampler.PendingSample, "__init__"),
+        (sampler.Sampler, "__call__"), (uploader.Uploader, "values"),
     ]  # fmt: skip
 
 

@@ -5,7 +5,7 @@ thread in the same process costs it a GIL hand-off each time the thread needs th
 start a job, between llguidance's calls, to hand back the result. Here the matchers live in a child
 process with its own interpreter. Per step the loop sends one message (the rows to fill, the tokens to
 consume first, the state operations queued since the last step) and later reads one reply (refusals).
-The masks go through a shared-memory file the engine maps as its upload buffer, so nothing is copied.
+The masks go through a shared-memory file that the device reads in place, so nothing is copied.
 
 The child applies the messages in order: state operations, then the job's consumes, then its fill.
 The engine's view of each state (engine/grammar_remote.RemoteGrammar) is therefore exact whenever it
@@ -27,7 +27,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from array import array
 from pathlib import Path
 
 READY_TIMEOUT_S = 120.0  # building a 128k-vocabulary tokenizer takes about a second
@@ -47,7 +46,7 @@ class GrammarProcess:
     """The engine's handle on the child: its channel and the shared mask buffer.
 
     `buffer` is `turns` arrays of [rows, words] int32 words, back to back, that the child fills and
-    the engine uploads. Operations queue in `ops` until the next `submit` sends them with its job."""
+    the device reads. Operations queue in `ops` until the next `submit` sends them with its job."""
 
     def __init__(
         self,
@@ -90,7 +89,8 @@ class GrammarProcess:
     def submit(self, turn: int, fill: list[int], slots: list[int], tokens: list[int]) -> None:
         """Send the queued operations and one job: slots[i] consumes tokens[i], then row i of buffer
         `turn` gets slot fill[i]'s mask. `wait` must be called before the next submit. The job goes
-        as packed int32s (a few microseconds; pickling its tuples cost tens)."""
+        as packed int32s (a few microseconds; pickling its tuples cost tens): turn, len(fill), fill,
+        slots, tokens."""
         if not self._ready:
             self._channel.sock.settimeout(READY_TIMEOUT_S)
             self._expect(READY, READY_TIMEOUT_S)
@@ -99,15 +99,12 @@ class GrammarProcess:
             # dead child closes the socket
             self._channel.sock.settimeout(None)
             self._ready = True
-        job = array("i", (turn, len(fill)))
-        job.extend(fill)
-        job.extend(slots)
-        job.extend(tokens)
+        job = struct.pack(f"={2 + len(fill) + 2 * len(slots)}i", turn, len(fill), *fill, *slots, *tokens)
         try:
             if self.ops:
                 ops, self.ops = self.ops, []
                 self._channel.send(OPS, pickle.dumps(ops, protocol=pickle.HIGHEST_PROTOCOL))
-            self._channel.send(JOB, job.tobytes())
+            self._channel.send(JOB, job)
             self.sent_at = time.perf_counter()
         except OSError as exc:
             raise GrammarProcessError(f"the grammar process is gone ({exc})") from None

@@ -6,9 +6,9 @@ engine/grammar_state.GrammarState (push, check, fork, rollback; the consumed tok
 forking, rolling back and dropping a state queue an operation that the next job carries.
 
 ProcessBitmaskFiller fills the constrained rows' bitmask in the child: `start` hands the states'
-pending tokens and their rows over in one message, `join` waits for the reply and uploads. The host
-rows are the shared file the child writes, registered as pinned memory on a GPU, so the upload reads
-them directly. Nothing in the loop's process waits for a GIL hand-off.
+pending tokens and their rows over in one message, `join` waits for the reply. The host rows are the
+shared file the child writes, registered as pinned memory on a GPU, where the draw reads them in
+place (engine/grammar_state.device_view). Nothing in the loop's process waits for a GIL hand-off.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import torch
 
 from engine.grammar_process import PIN_CORES, THREADS, GrammarProcess
 from engine.grammar_state import BitmaskFiller, GrammarError, SampledTokens, _Buffers
+from engine.uploader import device_view
 
 
 class RemoteGrammar(SampledTokens):
@@ -99,13 +100,13 @@ class ProcessBitmaskFiller(BitmaskFiller):
         )
         host = torch.frombuffer(service.buffer, dtype=torch.int32)
         host = host.view(self.BUFFERS, self.max_rows, self.words)
-        if self._pin:  # the child's rows become the upload's pinned source
+        if self._pin:  # the child's rows become pinned memory the device reads in place
             status = torch.cuda.cudart().cudaHostRegister(host.data_ptr(), host.numel() * 4, 0)
             if int(status) != 0:
                 raise RuntimeError(f"cudaHostRegister of the grammar buffer failed ({status})")
         for turn in range(self.BUFFERS):
-            device = torch.empty_like(host[turn], device=self.device) if self._pin else None
-            self._buffers[turn] = _Buffers(host[turn], device)
+            view = device_view(host[turn], self.device) if self._pin else None
+            self._buffers[turn] = _Buffers(host[turn], view)
         self.service = service
         weakref.finalize(self, _close, service, host if self._pin else None)
 
@@ -115,19 +116,23 @@ class ProcessBitmaskFiller(BitmaskFiller):
         return super()._buffer(rows)
 
     def start(self, states: list[RemoteGrammar], background: bool = True) -> Callable[[], torch.Tensor]:
-        """Send the job now; the returned join waits for the child's reply and uploads."""
+        """Send the job now; the returned join waits for the child's reply and gives the rows."""
         host, turn = self._buffer(len(states)), self._turn
-        slots, tokens = [], []
+        fill, slots, tokens = [], [], []
         for state in states:
-            pending = state.pending
-            if pending and state.slot is not None:
+            slot, pending = state.slot, state.pending
+            if slot is None:
+                fill.append(-1)
+                continue
+            fill.append(slot)
+            if pending:
                 if len(pending) > 1:  # earlier tokens, consumed one by one before the job's
-                    self.service.ops.append(("consume", state.slot, pending[:-1]))
-                slots.append(state.slot)
+                    self.service.ops.append(("consume", slot, pending[:-1]))
+                slots.append(slot)
                 tokens.append(pending[-1])
                 state.num_consumed += len(pending)
                 pending.clear()
-        self.service.submit(turn, [-1 if s.slot is None else s.slot for s in states], slots, tokens)
+        self.service.submit(turn, fill, slots, tokens)
 
         def join() -> torch.Tensor:
             refusals = self.service.wait()
@@ -136,7 +141,7 @@ class ProcessBitmaskFiller(BitmaskFiller):
                 for slot, message in refusals:
                     if slot in owners:
                         owners[slot].refused(message)
-            return self._upload(host, turn)
+            return self._device_rows(host, turn)
 
         return join
 

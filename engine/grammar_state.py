@@ -11,12 +11,13 @@ vLLM; max_tokens reached first ends it with "length"). `fork` copies the state f
 
 BitmaskFiller fills one int32 row per constrained sampling row (bit t of the row allows token t) into
 pinned host memory, after its matchers have consumed their pending tokens, both as llguidance calls
-that run on its thread pool without the GIL, and uploads it asynchronously. It runs after the step's
-forward pass was enqueued, so on a GPU the host work overlaps the forward. `start` runs the consume and
-fill of several rows on a worker thread: the caller's Python work (emitting records, scheduling the
-next step) goes on meanwhile, and `join` uploads. Nothing else touches the matchers of a pending fill
-before its join: the engine's appends read only a state's `error`, and a fork happens only at a
-prompt's last chunk, of a sequence that has sampled nothing yet.
+that run on its thread pool without the GIL; the device reads those pinned rows in place (no copy).
+It runs after the step's forward pass was enqueued, so on a GPU the host work overlaps the forward.
+`start` runs the consume and fill of several rows on a worker thread: the caller's Python work
+(emitting records, scheduling the next step) goes on meanwhile, and `join` hands the rows over.
+Nothing else touches the matchers of a pending fill before its join: the engine's appends read only
+a state's `error`, and a fork happens only at a prompt's last chunk, of a sequence that has sampled
+nothing yet.
 
 These run in the engine's process when `EngineConfig.grammar_process` is off; by default the same
 contract is met by RemoteGrammar and ProcessBitmaskFiller (engine/grammar_remote.py), whose
@@ -31,6 +32,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+
+from engine.uploader import device_view
 
 # The loop's thread runs Python almost without pause, so it holds the GIL; a thread waiting for the GIL
 # gets it when the holder blocks or after the switch interval (5 ms by default), longer than a whole
@@ -160,7 +163,7 @@ class _Plan:
 
 
 class BitmaskFiller:
-    """Fills and uploads the token bitmask of one step's constrained rows."""
+    """Fills the token bitmask of one step's constrained rows and hands it to the device."""
 
     BUFFERS = 2  # a step launched ahead may still read the previous step's buffer: alternate
 
@@ -168,11 +171,11 @@ class BitmaskFiller:
         self.words = (vocab_size + 31) // 32
         self.device = device
         self._pin = device.type == "cuda"
-        # per turn: the pinned host rows, their device copy (reused: the copy and the kernels that read
-        # it are ordered on one stream), and whether an upload from the host rows may be in flight
+        # per turn: the pinned host rows and the device's view of them (the same memory, read across the
+        # bus: no upload), and whether a kernel enqueued before the turn's event may still read them
         self._buffers: list[_Buffers | None] = [None] * self.BUFFERS
-        # one event per buffer, recorded again at each upload; the engine enqueues on the device's
-        # default stream, so it is looked up once (both cost tens of microseconds per step otherwise)
+        # one event per buffer, recorded when the buffer is next passed over (every reader is enqueued by
+        # then); the engine enqueues on the device's default stream, so it is looked up once
         self._events = [torch.cuda.Event() for _ in range(self.BUFFERS)] if self._pin else None
         self._stream = torch.cuda.current_stream(device) if self._pin else None
         self._turn = 0
@@ -180,16 +183,22 @@ class BitmaskFiller:
         self._worker: _FillWorker | None = None  # runs a fill behind the caller's back
 
     def _buffer(self, rows: int) -> torch.Tensor:
+        """The next turn's host rows, once no enqueued kernel can still read them. Readers of the turn
+        being left are enqueued by now (its draw follows its join), so its event is recorded here."""
+        left = self._buffers[self._turn]
+        if left is not None and left.handed_out:
+            self._events[self._turn].record(self._stream)
+            left.handed_out, left.in_flight = False, True
         self._turn = (self._turn + 1) % self.BUFFERS
         entry = self._buffers[self._turn]
         if entry is None or entry.host.shape[0] < rows:
             size = max(rows, 2 * entry.host.shape[0] if entry else 8)
             host = torch.empty(size, self.words, dtype=torch.int32, pin_memory=self._pin)
-            device = torch.empty_like(host, device=self.device) if self._pin else None
-            self._buffers[self._turn] = _Buffers(host, device)
+            self._buffers[self._turn] = _Buffers(host, device_view(host, self.device) if self._pin else None)
             return host[:rows]
         if entry.in_flight:
-            self._events[self._turn].synchronize()  # its last upload has left (normally long ago)
+            self._events[self._turn].synchronize()  # the step that read it is done (normally long ago)
+            entry.in_flight = False
         return entry.host[:rows]
 
     def new_state(self, so, compiler) -> GrammarState:
@@ -201,15 +210,15 @@ class BitmaskFiller:
         return self.start(states, background=False)()
 
     def start(self, states: list[GrammarState], background: bool = True) -> Callable[[], torch.Tensor]:
-        """Begin consuming the states' pending tokens and filling; the returned join waits for both,
-        uploads, and gives the device bitmask. One row is done at once (a thread hand-off would cost
+        """Begin consuming the states' pending tokens and filling; the returned join waits for both
+        and gives the device bitmask. One row is done at once (a thread hand-off would cost
         more than it hides)."""
         host, turn = self._buffer(len(states)), self._turn
         plan = self._plan(states)  # built here: the worker runs as little Python as possible
         if not (background and len(states) > 1):
             self._run(plan, host)
             plan.settle()
-            return lambda: self._upload(host, turn)
+            return lambda: self._device_rows(host, turn)
         if self._worker is None:
             self._worker = _FillWorker()
         self._worker.submit(lambda: self._run(plan, host))
@@ -217,7 +226,7 @@ class BitmaskFiller:
         def join() -> torch.Tensor:
             self._worker.join()
             plan.settle()
-            return self._upload(host, turn)
+            return self._device_rows(host, turn)
 
         return join
 
@@ -246,9 +255,9 @@ class BitmaskFiller:
     def _run(self, plan: _Plan, host: torch.Tensor) -> None:
         """Consume, then fill: each one llguidance call that drops the GIL while it works. llguidance
         writes each row's words at its pointer (its llguidance.torch wrappers are not used: importing
-        that module runs torch.compile's set-up, about a second, which would stall the step loop). The
-        upload stays on the caller's thread: from the worker, each CUDA call would take the GIL back
-        from the loop, a hand-off that costs both threads tens of microseconds."""
+        that module runs torch.compile's set-up, about a second, which would stall the step loop). CUDA
+        calls (the buffer's event) stay on the caller's thread: from the worker, each would take the GIL
+        back from the loop, a hand-off that costs both threads tens of microseconds."""
         if len(plan.tokens) == 1:
             plan.verdicts = [plan.tokens[0][0].consume_token(plan.tokens[0][1])]
         elif plan.tokens:
@@ -259,22 +268,28 @@ class BitmaskFiller:
         else:
             self._pool().unsafe_compute_mask_ptr(plan.rows, host.data_ptr(), row_bytes, len(plan.rows))
 
-    def _upload(self, host: torch.Tensor, turn: int) -> torch.Tensor:
+    def _device_rows(self, host: torch.Tensor, turn: int) -> torch.Tensor:
+        """The filled rows as the device reads them: on a GPU its view of the pinned host rows
+        themselves (a draw reads one 32-bit word per 32 logits, so reading them across the bus costs
+        less than a copy's launch and event)."""
         if self.device.type != "cuda":
             return host.clone()  # the buffer is refilled next step while a CPU caller may keep this
         entry = self._buffers[turn]
-        out = entry.device[: host.shape[0]]
-        out.copy_(host, non_blocking=True)
-        self._events[turn].record(self._stream)
-        entry.in_flight = True
-        return out
+        entry.handed_out = True
+        rows = host.shape[0]
+        if entry.view_rows != rows:  # slicing costs microseconds: kept while the batch holds
+            entry.view, entry.view_rows = entry.device[:rows], rows
+        return entry.view
 
 
 @dataclass(slots=True)
 class _Buffers:
     host: torch.Tensor  # [rows, words] int32, pinned on a GPU
-    device: torch.Tensor | None  # its device copy (None on a CPU)
-    in_flight: bool = False  # an upload from `host` may still be running
+    device: torch.Tensor | None  # the device's view of the same memory (None on a CPU)
+    handed_out: bool = False  # the device view was returned since the turn's event was last recorded
+    view: torch.Tensor | None = None  # device[:view_rows], the last rows handed out
+    view_rows: int = -1
+    in_flight: bool = False  # a kernel enqueued before the turn's event may still read `host`
 
 
 class _FillWorker:

@@ -94,6 +94,9 @@ class ModelRunner:
         )
         self._no_samples = torch.empty(0, dtype=torch.long, device=self.device)  # a step that only scores
         self.upload = Uploader(self.device)
+        # the last (sampling rows, constrained rows) and their device row maps: a decode batch keeps
+        # the same rows for many steps, and an upload costs more host time than the draw's launch
+        self._mask_rows: tuple[tuple[int, list[int]], torch.Tensor, torch.Tensor] | None = None
         # unseeded sequences draw from stream (base, seq_id); the base follows load.seed (set above)
         self.unseeded_base = int(torch.randint(0, 2**62, (1,)).item())
         max_batch = min(config.scheduler.max_num_seqs, 512)
@@ -201,7 +204,7 @@ class ModelRunner:
     ) -> Callable[[], PendingSample]:
         """Begin the draw: with constrained rows, their bitmask fill on the host (the forward is already
         enqueued, so on a GPU this overlaps it; in the `background`, it overlaps the caller's work too).
-        The returned function uploads the mask and enqueues the sampling."""
+        The returned function joins the fill and enqueues the sampling."""
         if not constrained:
             return functools.partial(self._sample, logits, rows, scores, None, constrained)
         join = self.bitmasks.start([samplers[i].grammar for i in constrained], background)
@@ -213,12 +216,20 @@ class ModelRunner:
             return self.sampler(logits, rows) if scores is None else self.sampler(logits, rows, scores)
         mask = TokenMask(join_mask())  # every row constrained: bitmask row i is sampling row i
         if len(constrained) < len(rows):
-            row_of = [-1] * len(rows)
+            mask.rows, mask.row_of = self._mask_row_maps(len(rows), constrained)
+        return self.sampler(logits, rows, scores, mask)
+
+    def _mask_row_maps(self, num_rows: int, constrained: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """TokenMask.rows and row_of on the device, reused while the rows stay the same (each upload
+        makes a fresh device tensor, so a kept one is never overwritten)."""
+        key = (num_rows, constrained)
+        if self._mask_rows is None or self._mask_rows[0] != key:
+            row_of = [-1] * num_rows
             for i, r in enumerate(constrained):
                 row_of[r] = i
             both = self.upload.values("mask_rows", constrained + row_of, torch.long)  # one upload
-            mask.rows, mask.row_of = both[: len(constrained)], both[len(constrained) :]
-        return self.sampler(logits, rows, scores, mask)
+            self._mask_rows = (key, both[: len(constrained)], both[len(constrained) :])
+        return self._mask_rows[1], self._mask_rows[2]
 
     def _fed_back(self, out: SchedulerOutput, prev: PendingSample | None) -> torch.Tensor | None:
         """The input ids of a step scheduled ahead: rows of the previous step's samples, on the device."""

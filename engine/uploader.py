@@ -6,6 +6,9 @@ recorded after each copy makes sure the previous copy out of a buffer has finish
 refilled. Each slot alternates between two buffers: with a step launched ahead, the copy that last
 used a buffer belongs to the step before the one still on the device, so refilling it never waits
 for the device (with one buffer the host would wait for the running step to reach its copy).
+
+`device_view` is the copy's alternative for rows a kernel reads sparsely (a grammar's token bitmask,
+one word per 32 logits): the device reads pinned host memory in place.
 """
 
 from __future__ import annotations
@@ -45,3 +48,28 @@ class Uploader:
 
     def values(self, slot: str, values: list, dtype: torch.dtype) -> torch.Tensor:
         return self(slot, torch.tensor(values, dtype=dtype))
+
+
+class _HostRows:
+    """Pinned host rows under `__cuda_array_interface__`, as torch.as_tensor takes them. Pinned memory
+    is mapped into every device's address space at its host address (unified addressing, any 64-bit
+    CUDA platform), so the tensor made from it is a device tensor over the host memory itself."""
+
+    def __init__(self, host: torch.Tensor):
+        self.host = host  # the device tensor keeps this object, and so the memory, alive
+        self.__cuda_array_interface__ = {
+            "shape": tuple(host.shape),
+            "typestr": "<i4",
+            "data": (host.data_ptr(), False),
+            "version": 3,
+        }
+
+
+def device_view(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A device tensor reading pinned (or cudaHostRegister'ed) int32 host rows in place: no copy, and
+    every kernel that reads it reads across the bus. The caller keeps the host rows unchanged until
+    those kernels are done."""
+    if host.dtype != torch.int32 or not host.is_contiguous():
+        raise ValueError(f"device_view: host rows must be contiguous int32, got {host.dtype}")
+    with torch.cuda.device(device):
+        return torch.as_tensor(_HostRows(host), device=device)

@@ -115,6 +115,8 @@ def test_structured_bench_smoke(tmp_path):
     assert len(data["compile"]["cold"]["ms_each"]) == 20 and data["compile"]["cached"]["ms_total"] >= 0
     assert data["ttft"]["constrained_cached"]["ms_median"] > 0
     assert data["ttft"]["constrained_cached_served"]["ms_median"] > 0
+    served = [data["ttft"][k]["ms_each"] for k in ("unconstrained_served", "constrained_cached_served")]
+    assert len(served[0]) == len(served[1]) > 0  # alternating pairs
     assert "| 4 | all |" in (out / "structured_bench.md").read_text()
 
 
@@ -138,7 +140,7 @@ def test_step_phases_smoke(tmp_path):
     assert 0.5 < runs <= 1.0 and thread["BitmaskFiller._plan"]["calls_per_step"] == runs
     assert "GrammarProcess.submit" not in thread
     assert (
-        remote["BitmaskFiller._upload"]["us_per_step"] > 0
-        and thread["BitmaskFiller._upload"]["us_per_step"] > 0
+        remote["BitmaskFiller._device_rows"]["us_per_step"] > 0
+        and thread["BitmaskFiller._device_rows"]["us_per_step"] > 0
     )
-    assert "| BitmaskFiller._upload |" in (out / "step_phases.md").read_text()
+    assert "| BitmaskFiller._device_rows |" in (out / "step_phases.md").read_text()

@@ -28,7 +28,8 @@ from engine.grammar_state import BitmaskFiller, GrammarError, GrammarState
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams, StructuredOutput
 from engine.structured import compiler_for
-from kernels import ops
+from engine.uploader import device_view
+from kernels import ops, torch_ops
 from tests.structured_helpers import PROMPT, make_engine, run, so
 
 # a bare GPU host (`pytest -m gpu`) may lack both: skip this module there instead of failing collection
@@ -240,7 +241,7 @@ def test_unconstrained_steps_never_touch_the_mask(tiny_model_dir, monkeypatch):
 def test_outputs_are_invalid_without_the_mask(tiny_model_dir, monkeypatch):
     """Mutation check: with every token allowed by the mask, the same requests produce invalid outputs,
     so the tests above would catch a mask that is not applied."""
-    monkeypatch.setattr(BitmaskFiller, "_upload", lambda self, host, turn: torch.full_like(host, -1))
+    monkeypatch.setattr(BitmaskFiller, "_device_rows", lambda self, host, turn: torch.full_like(host, -1))
     eng = make_engine(tiny_model_dir)
     cases = [("json", s) for s in SCHEMAS[:6]] + [("regex", r) for r in REGEXES[:6]]
     reqs = [(PROMPT, sampled(so(k, s), seed=i, max_tokens=30)) for i, (k, s) in enumerate(cases)]
@@ -319,9 +320,46 @@ def test_through_the_engine_core_process(tiny_model_dir, engine):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_device_reads_pinned_mask_rows_in_place():
+    """device_view: a device tensor over pinned host rows sees each later host write (nothing is
+    copied), and the masked argmax over it picks what the torch twin picks over an uploaded copy."""
+    host = torch.zeros(4, 8, dtype=torch.int32, pin_memory=True)
+    view = device_view(host, torch.device("cuda"))
+    assert view.is_cuda and view.data_ptr() == host.data_ptr()
+    logits = torch.randn(4, 256, device="cuda")
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        host.copy_(torch.randint(-(2**31), 2**31 - 1, (4, 8), dtype=torch.int32, generator=gen))
+        host[:, 0] |= 1  # every row allows a token
+        want = torch_ops.masked_by_bitmask(logits, host.cuda()).argmax(dim=-1)
+        assert torch.equal(ops.argmax(logits, view), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_mask_turn_is_refilled_only_after_its_draw_ran():
+    """The filler's host rows are what the draw reads, so a turn taken again (two fills later) must
+    wait for the draw enqueued after the turn was handed out, however far behind the device is."""
+    filler = BitmaskFiller(64, torch.device("cuda"))
+    logits = torch.zeros(1, 64, device="cuda")
+    rows = filler._buffer(1)
+    rows.zero_()
+    rows[0, 0] = 1 << 3  # only token 3
+    view = filler._device_rows(rows, filler._turn)
+    torch.cuda._sleep(200_000_000)  # the device is busy for a good while
+    drawn = ops.argmax(logits, view)  # enqueued behind the sleep
+    filler._buffer(1)  # the other turn
+    again = filler._buffer(1)  # this turn again: waits for `drawn`
+    again.zero_()
+    again[0, 0] = 1 << 5
+    assert drawn.item() == 3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_the_gpu_with_graphs_and_async_scheduling(tiny_model_dir):
-    """CUDA graphs, the pinned mask upload, the Triton mask kernel and the late draw of steps run ahead:
-    valid outputs, and the same with async scheduling off."""
+    """CUDA graphs, the mask read in place from pinned memory, the Triton mask kernel and the late draw
+    of steps run ahead: valid outputs, and the same with async scheduling off."""
     cases = [("json", s) for s in SCHEMAS] + [("regex", r) for r in REGEXES]
     reqs = [(PROMPT, sampled(so(k, s), seed=i, max_tokens=200)) for i, (k, s) in enumerate(cases)]
     reqs += mixed()
