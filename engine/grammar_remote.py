@@ -8,11 +8,12 @@ forking, rolling back and dropping a state queue an operation that the next job 
 ProcessBitmaskFiller fills the constrained rows' bitmask in the child: `start` hands the states'
 pending tokens and their rows over in one message, `join` waits for the reply. The host rows are the
 shared file the child writes, registered as pinned memory on a GPU, where the draw reads them in
-place (engine/grammar_state.device_view). Nothing in the loop's process waits for a GIL hand-off.
+place (engine/uploader.device_view). Nothing in the loop's process waits for a GIL hand-off.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import weakref
 from collections.abc import Callable
@@ -148,5 +149,7 @@ class ProcessBitmaskFiller(BitmaskFiller):
 
 def _close(service: GrammarProcess, pinned: torch.Tensor | None) -> None:
     if pinned is not None:
+        with contextlib.suppress(RuntimeError):  # CUDA may be torn down already at exit
+            torch.cuda.synchronize()  # no draw enqueued earlier may still read the rows
         torch.cuda.cudart().cudaHostUnregister(pinned.data_ptr())
     service.close()

@@ -191,14 +191,16 @@ class BitmaskFiller:
             left.handed_out, left.in_flight = False, True
         self._turn = (self._turn + 1) % self.BUFFERS
         entry = self._buffers[self._turn]
+        if entry is not None and entry.in_flight:
+            # the step that read it is done (normally long ago); also before a larger buffer replaces
+            # it, since the allocator cannot see the device's reads of the one it would free
+            self._events[self._turn].synchronize()
+            entry.in_flight = False
         if entry is None or entry.host.shape[0] < rows:
             size = max(rows, 2 * entry.host.shape[0] if entry else 8)
             host = torch.empty(size, self.words, dtype=torch.int32, pin_memory=self._pin)
             self._buffers[self._turn] = _Buffers(host, device_view(host, self.device) if self._pin else None)
             return host[:rows]
-        if entry.in_flight:
-            self._events[self._turn].synchronize()  # the step that read it is done (normally long ago)
-            entry.in_flight = False
         return entry.host[:rows]
 
     def new_state(self, so, compiler) -> GrammarState:
@@ -270,8 +272,9 @@ class BitmaskFiller:
 
     def _device_rows(self, host: torch.Tensor, turn: int) -> torch.Tensor:
         """The filled rows as the device reads them: on a GPU its view of the pinned host rows
-        themselves (a draw reads one 32-bit word per 32 logits, so reading them across the bus costs
-        less than a copy's launch and event)."""
+        themselves. A draw reads one 32-bit word per 32 logits, so reading across the bus costs the
+        device a few microseconds more than a copy would, and spares the loop the copy's launch and
+        event (benchmarks/reports/gpu/structured_inplace_h100.md)."""
         if self.device.type != "cuda":
             return host.clone()  # the buffer is refilled next step while a CPU caller may keep this
         entry = self._buffers[turn]
