@@ -114,7 +114,8 @@ def decode_run(engine, prompts: list[list[int]], sps: list, gen: int) -> float:
 def decode_table(llm, batches: list[int], constraints: list[str], size: dict) -> list[dict]:
     """Per batch size, every config (none, then half / all per constraint) warmed up once, then `reps`
     rounds that run each config once in turn: a config's tok/s is its median, and its ratio to none is
-    the median of the rounds' ratios, so drift of the host between rounds cancels out."""
+    the median of the rounds' ratios, so drift of the host between rounds cancels out (their quartiles
+    show how far single rounds strayed)."""
     import random
 
     rng, vocab, rows = random.Random(0), llm.engine.runner.model_config.vocab_size, []
@@ -132,8 +133,10 @@ def decode_table(llm, batches: list[int], constraints: list[str], size: dict) ->
         base = runs[("none", None)]
         for (mode, constraint), each in runs.items():
             row = {"batch": batch, "constrained": mode, "constraint": constraint, "runs": each}
-            ratio = statistics.median(r / b for r, b in zip(each, base))
-            rows.append({**row, "tok_s": statistics.median(each), "vs_none": ratio})
+            ratios = sorted(r / b for r, b in zip(each, base))
+            quartiles = [ratios[len(ratios) // 4], ratios[(3 * len(ratios)) // 4]]
+            row.update(tok_s=statistics.median(each), vs_none=statistics.median(ratios))
+            rows.append({**row, "vs_none_quartiles": quartiles})
             print(rows[-1], flush=True)
     return rows
 
@@ -215,12 +218,14 @@ def markdown(report: dict) -> str:
         f"hardware: {env['hardware'].get('gpu') or env['hardware']['cpu']}; versions: {env['versions']}",
         f"model: {report['model']} ({report['checkpoint']}); sizes: {report['sizes']}",
         "",
-        "| batch | constrained rows | constraint | decode tok/s (median) | vs none (median of rounds) |",
-        "|---|---|---|---|---|",
+        "| batch | constrained rows | constraint | decode tok/s (median) | vs none (median of rounds) "
+        "| rounds' quartiles |",
+        "|---|---|---|---|---|---|",
     ]
     for r in report["decode"]:
         what = f"| {r['batch']} | {r['constrained']} | {r['constraint'] or ''} |"
-        lines.append(f"{what} {r['tok_s']:,.1f} | {r['vs_none']:.1%} |")
+        low, high = r["vs_none_quartiles"]
+        lines.append(f"{what} {r['tok_s']:,.1f} | {r['vs_none']:.1%} | {low:.1%}-{high:.1%} |")
     c = report["compile"]
     lines += [
         "",

@@ -112,6 +112,7 @@ def test_structured_bench_smoke(tmp_path):
     data = json.loads((out / "structured_bench.json").read_text())
     modes = {(r["batch"], r["constrained"]) for r in data["decode"] if r["tok_s"] > 0}
     assert modes == {(b, m) for b in (1, 4) for m in ("none", "half", "all")}
+    assert all(r["vs_none_quartiles"][0] <= r["vs_none"] <= r["vs_none_quartiles"][1] for r in data["decode"])
     assert len(data["compile"]["cold"]["ms_each"]) == 20 and data["compile"]["cached"]["ms_total"] >= 0
     assert data["ttft"]["constrained_cached"]["ms_median"] > 0
     assert data["ttft"]["constrained_cached_served"]["ms_median"] > 0
