@@ -272,8 +272,8 @@ class BitmaskFiller:
 
     def _device_rows(self, host: torch.Tensor, turn: int) -> torch.Tensor:
         """The filled rows as the device reads them: on a GPU its view of the pinned host rows
-        themselves. A draw reads one 32-bit word per 32 logits, so reading across the bus costs the
-        device a few microseconds more than a copy would, and spares the loop the copy's launch and
+        themselves. A draw reads one 32-bit word per 32 logits across the bus: that costs the device
+        more than a copy would (about 16 us at 64 rows) and spares the loop the copy's launch and
         event (benchmarks/reports/gpu/structured_inplace_h100.md)."""
         if self.device.type != "cuda":
             return host.clone()  # the buffer is refilled next step while a CPU caller may keep this
