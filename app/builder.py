@@ -24,6 +24,10 @@ from engine.config import EngineConfig
 # limit still reaches `generate` (and gets a 503 at once) instead of queueing in the caller, and so that
 # /health and /v1/engine/stats calls get through on a full replica.
 _CONTROL_HEADROOM = 16
+# A leaving ingress replica holds its clients' connections: it must outlive the leaving engine replica's
+# drain, so that a stream the engine finishes (or ends with an error event at its deadline) still reaches
+# the client. Serve's own budget for an ingress is far shorter and would cut long streams mid-way.
+_INGRESS_DRAIN_MARGIN_S = 15.0
 
 
 class AppArgs(BaseModel):
@@ -149,6 +153,7 @@ def build_app(args: AppArgs) -> Application:
     return Ingress.options(
         num_replicas=args.ingress_num_replicas,
         max_ongoing_requests=args.ingress_max_ongoing_requests,
+        graceful_shutdown_timeout_s=args.engine_graceful_shutdown_timeout_s + _INGRESS_DRAIN_MARGIN_S,
         ray_actor_options={"num_cpus": args.ingress_num_cpus},
     ).bind(
         engine,
