@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 MODEL_DIR ?= models/tiny-llama
 
-.PHONY: serve test lint format model bench-gpu clean
+.PHONY: serve test test-clients lint format model bench-gpu clean
 
 .venv/.installed: pyproject.toml scripts/setup_venv.sh
 	bash scripts/setup_venv.sh
@@ -27,6 +27,21 @@ format: .venv/.installed
 
 test: .venv/.installed lint $(MODEL_DIR)/config.json
 	$(PY) -m pytest -q -p no:cacheprovider tests
+
+# The real lm-eval and guidellm clients against the server (tests/test_clients.py), apart from `make test`
+# for time. They go in a venv of their own, since their pins (click, multidict) differ from the server's;
+# it sees the project's packages (torch, transformers) behind its own through a .pth file.
+CLIENTS := .venv/clients
+$(CLIENTS)/.installed: .venv/.installed pyproject.toml
+	$(PY) -m venv --system-site-packages $(CLIENTS)
+	$(PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" > \
+		"$$($(CLIENTS)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/project-venv.pth"
+	$(CLIENTS)/bin/pip install -q -e ".[clients]"
+	touch $@
+
+test-clients: .venv/.installed $(MODEL_DIR)/config.json $(CLIENTS)/.installed
+	MINSERVE_CLIENTS_PYTHON=$(CLIENTS)/bin/python MINSERVE_CLIENTS_REQUIRED=1 \
+		$(PY) -m pytest -q -p no:cacheprovider tests/test_clients.py -k "real_lm_eval or real_guidellm"
 
 clean:
 	rm -rf .venv models .pytest_cache .ruff_cache

@@ -1,8 +1,10 @@
-"""Shared fixtures: the tiny embedded model (made once per session) and a naive reference generator."""
+"""Shared fixtures: the tiny embedded model (made once per session), the shared default server (started
+once for the modules that need no server configuration of their own), and the order of the tests."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import sys
 from pathlib import Path
@@ -20,15 +22,62 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def _template_is_current(model_dir: Path) -> bool:
+    from engine.chat_template import family_template
+
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    return config.get("chat_template") == family_template("llama")
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
-    """models/tiny-llama (made by `make`), or a fresh copy in a temp dir when it is missing."""
+    """models/tiny-llama (made by `make`), or a fresh one in a temp dir when it is missing or carries an
+    older copy of the family's chat template (the served tool-call tests follow the current one)."""
     default = ROOT / "models" / "tiny-llama"
-    if (default / "config.json").exists():
+    if (default / "config.json").exists() and _template_is_current(default):
         return default
     from scripts.make_model import make_model
 
-    return Path(make_model("tiny", tmp_path_factory.mktemp("tiny-llama")))
+    return Path(make_model("tiny", tmp_path_factory.mktemp("models") / "tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def default_server(tiny_model_dir):
+    """serve_config.yaml's application with TEST_OVERRIDES on the tiny model, shared by the modules that
+    use it: started on first use, stopped after the last of their tests (see the hooks below)."""
+    from tests.serving_fixtures import shared_server
+
+    return shared_server(tiny_model_dir)
+
+
+def _on_default_server(item: pytest.Item) -> bool:
+    return "default_server" in getattr(item, "fixturenames", ())
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests on the shared server run one after another, where the first of them is (files keep
+    their order), so that it starts once. Each module's tests stay together and in order."""
+    shared = [item for item in items if _on_default_server(item)]
+    if shared:
+        at = items.index(shared[0])
+        rest = [item for item in items if not _on_default_server(item)]
+        items[:] = rest[:at] + shared + rest[at:]
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
+    """After the last test on the shared server (and its modules' fixtures), stop it: the tests that
+    follow get the machine's CPUs. A core left behind by serve.shutdown() fails this teardown."""
+    result = yield
+    if _on_default_server(item) and (nextitem is None or not _on_default_server(nextitem)):
+        _stop_shared_server()
+    return result
+
+
+def _stop_shared_server() -> None:
+    fixtures = sys.modules.get("tests.serving_fixtures")
+    if fixtures is not None:
+        fixtures.stop_shared_server()
 
 
 def _serving_stack_missing() -> bool:
@@ -55,6 +104,10 @@ _EXIT_STATUS = pytest.StashKey[int]()
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     session.config.stash[_EXIT_STATUS] = int(exitstatus)
+    try:  # still running when the run stopped early (-x, Ctrl-C)
+        _stop_shared_server()
+    except Exception as exc:  # reported, but the run's outcome is already decided
+        print(f"\nstopping the shared server: {exc!r}", file=sys.stderr)
 
 
 @pytest.hookimpl(trylast=True)

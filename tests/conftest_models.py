@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from engine.attention_context import AttentionMetadata
+from engine.models.attention_context import AttentionMetadata
 
 FAMILIES = ("llama", "qwen3", "gemma3")
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from engine.attention_context import AttentionMetadata
+from engine.models.attention_context import AttentionMetadata
 from kernels import torch_ops
 
 INTERP_OK = interpreter_usable()

@@ -7,8 +7,8 @@ from unittest import mock
 
 import torch
 
-from engine.attention_context import AttentionMetadata, attention_context
-from engine.loader import load_model
+from engine.models.attention_context import AttentionMetadata, attention_context
+from engine.models.loader import load_model
 from kernels import torch_ops
 
 

@@ -4,6 +4,10 @@ The application (import_path and args) is read from serve_config.yaml, so the te
 `serve run serve_config.yaml` runs, with the few test settings in TEST_OVERRIDES merged into `args`.
 Ray is started in-process (small num_cpus, no dashboard) with a 1 s metrics report interval, so
 metric values reach Ray's metrics export port quickly.
+
+Ray hosts one Serve instance per process, so one server runs at a time. The modules that need only the
+default configuration share one (`shared_server`, through conftest's `default_server` fixture); a module
+that starts a server of its own stops the shared one first, and it starts again when next asked for.
 """
 
 from __future__ import annotations
@@ -31,9 +35,19 @@ TEST_OVERRIDES = {
     # The overload test opens this many streams and expects the next one to get 503; the Locust test
     # runs 16 users (at most 16 open streams), safely below it.
     "max_ongoing_requests": 20,
-    # `__fault:sample__` in a prompt then fails that request inside the engine (engine/faults.py).
+    # `__fault:sample__` in a prompt then fails that request inside the engine (engine/core/faults.py).
     "engine": {"fault_injection": True},
 }
+# With direct ingress, a leaving ingress replica stays reachable this long before it drains, so that an
+# external load balancer can deregister it: Serve's default (30 s) would be added to every server stop.
+# Nothing deregisters here. `start_server(deregister_s=None)` keeps Serve's default.
+DEREGISTER_ENV = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
+# HAProxy's stats and metrics listeners bind fixed ports (8404, 9101) unless told otherwise: free ones
+# let a server start while another Serve instance runs on the same machine.
+HAPROXY_PORT_ENVS = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT")
+
+# The running shared server (keys "model_dir" and "server"), empty when none runs.
+_shared: dict = {}
 
 
 @dataclass
@@ -78,12 +92,16 @@ def _build(import_path: str, args: dict):
     return builder(param.annotation.model_validate(args))
 
 
-def start_server(model_dir: Path, overrides: dict | None = None, address: str | None = None) -> Server:
+def start_server(
+    model_dir: Path, overrides: dict | None = None, address: str | None = None, deregister_s: float | None = 0
+) -> Server:
     """`overrides` are merged into `args` after TEST_OVERRIDES (nested dicts key by key). `address`: join
-    that Ray cluster instead of starting one (its nodes' CPUs, not 2); the HTTP front on the head only."""
+    that Ray cluster instead of starting one (its nodes' CPUs, not 2); the HTTP front on the head only.
+    `deregister_s`: see DEREGISTER_ENV. A running shared server is stopped first."""
     import ray
     from ray import serve
 
+    stop_shared_server()
     config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
     app = config["applications"][0]
     args = _merge(app.get("args") or {}, {**TEST_OVERRIDES, "model": str(model_dir)})
@@ -100,10 +118,9 @@ def start_server(model_dir: Path, overrides: dict | None = None, address: str | 
         **({} if address else {"_system_config": {"metrics_report_interval_ms": 1000}}),
     )
     port = _free_port()
-    # serve_config.yaml's controller options too: its runtime_env carries Serve's throughput settings
     serve.start(
         http_options={"host": "127.0.0.1", "port": port, **({"location": "HeadOnly"} if address else {})},
-        controller_options=config.get("controller_options"),
+        controller_options=_controller_options(config, deregister_s),
     )
     serve.run(_build(app["import_path"], args), name=app["name"], route_prefix=app.get("route_prefix", "/"))
     url = f"http://127.0.0.1:{port}"
@@ -116,6 +133,21 @@ def start_server(model_dir: Path, overrides: dict | None = None, address: str | 
         session_dir=context.address_info["session_dir"],
         headers=headers,
     )
+
+
+def serve_test_env(deregister_s: float | None = 0) -> dict[str, str]:
+    """Serve's settings for a test server (DEREGISTER_ENV, HAPROXY_PORT_ENVS), as environment variables."""
+    env = {name: str(_free_port()) for name in HAPROXY_PORT_ENVS}
+    if deregister_s is not None:
+        env[DEREGISTER_ENV] = str(deregister_s)
+    return env
+
+
+def _controller_options(config: dict, deregister_s: float | None) -> dict:
+    """serve_config.yaml's controller options (its runtime_env carries Serve's throughput settings, and
+    the proxy and the replicas inherit it), with serve_test_env added to that environment."""
+    env = {"runtime_env": {"env_vars": serve_test_env(deregister_s)}}
+    return _merge(config.get("controller_options") or {}, env)
 
 
 def _wait_ready(url: str, headers: dict, timeout_s: float = 60.0) -> str:
@@ -135,8 +167,43 @@ def stop_server() -> None:
     import ray
     from ray import serve
 
+    _shared.clear()
     serve.shutdown()
     ray.shutdown()
+
+
+def shared_server(model_dir: Path) -> Server:
+    """serve_config.yaml's application with TEST_OVERRIDES only: the running one, or a new one where none
+    runs, it serves another model, or it does not answer /health (an earlier module, whose tests failed
+    for it, left it broken)."""
+    running = _shared.get("server")
+    if running is not None and not _healthy(running):
+        stop_server()
+    elif running is not None and _shared["model_dir"] == str(model_dir):
+        return running
+    server = start_server(model_dir)  # stops a shared one first
+    _shared.update(model_dir=str(model_dir), server=server)
+    return server
+
+
+def _healthy(server: Server) -> bool:
+    try:
+        return httpx.get(f"{server.url}/health", headers=server.headers, timeout=10).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def stop_shared_server() -> None:
+    """Stop the shared server if one runs. serve.shutdown(), what `serve shutdown` does, must leave no
+    engine core behind: the core of the replica serving then must exit."""
+    server = _shared.get("server")
+    if server is None:
+        return
+    try:
+        core = httpx.get(f"{server.url}/v1/engine/stats", timeout=10).json()["core_pid"]
+    finally:
+        stop_server()
+    wait_until(lambda: not process_alive(core), 30, f"engine core {core} to exit after serve.shutdown()")
 
 
 def wait_idle(url: str, timeout_s: float = 15.0, headers: dict | None = None) -> dict:

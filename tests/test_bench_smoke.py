@@ -145,3 +145,17 @@ def test_step_phases_smoke(tmp_path):
         and thread["BitmaskFiller._device_rows"]["us_per_step"] > 0
     )
     assert "| BitmaskFiller._device_rows |" in (out / "step_phases.md").read_text()
+
+
+def test_step_phases_names_only_methods_that_exist(monkeypatch):
+    """Every phase step_phases times exists in this tree, and a stale name stops the benchmark with
+    that name instead of leaving its row out of the report."""
+    from benchmarks import step_phases
+
+    current = step_phases.checked_phases()
+    assert all(callable(getattr(owner, name)) for owner, name in current)
+    monkeypatch.setattr(step_phases, "phases", lambda: [*current, (step_phases.PhaseTimer, "_gone")])
+    with pytest.raises(AttributeError, match=r"PhaseTimer\._gone"):
+        step_phases.checked_phases()
+    with pytest.raises(AttributeError, match=r"PhaseTimer\._gone"):
+        step_phases.main(["--model", "tiny", "--out", "unused"])

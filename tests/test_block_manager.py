@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.block_manager import BlockManager, BlockTable, NoFreeBlocksError
+from engine.sched.block_manager import BlockManager, BlockTable, NoFreeBlocksError
 
 pytestmark = pytest.mark.engine
 

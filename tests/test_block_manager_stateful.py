@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, multiple, rule
 
-from engine.block_manager import BlockManager, BlockTable, NoFreeBlocksError
+from engine.sched.block_manager import BlockManager, BlockTable, NoFreeBlocksError
 
 pytestmark = pytest.mark.engine
 

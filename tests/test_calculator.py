@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from engine.calculator import evaluate
+from engine.output.calculator import evaluate
 
 pytestmark = pytest.mark.engine
 

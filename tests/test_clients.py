@@ -3,12 +3,10 @@
 Each body below is what the client builds, read from its source at the version named, field for field;
 the assertions check the response fields that client reads. The replays need only httpx, so they run
 in every `make test`. The real clients (LangChain's ChatOpenAI, lm-eval's LocalCompletionsAPI, the
-guidellm CLI) run too where they can be imported: in this test's Python, or
-in the Python named by MINSERVE_CLIENTS_PYTHON (a separate venv keeps lm-eval's and guidellm's heavy
-dependencies out of the project's), e.g.
-
-    MINSERVE_CLIENTS_PYTHON=/tmp/clients-venv/bin/python \\
-        .venv/bin/python -m pytest -q -p no:cacheprovider tests/test_clients.py
+guidellm CLI) run too where they can be imported: in this test's Python, or in the Python named by
+MINSERVE_CLIENTS_PYTHON. `make test-clients` installs lm-eval and guidellm (the `clients` extra) into
+a venv of their own, .venv/clients (their pins differ from the server's), and runs the real-client tests
+with MINSERVE_CLIENTS_REQUIRED set, so that a client that cannot be imported fails instead of skipping.
 
 Clients and where their bodies come from:
   lm-eval 0.4.13, `local-completions` (lm_eval/models/openai_completions.py LocalCompletionsAPI
@@ -35,13 +33,12 @@ import math
 import os
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 
 from engine.sampling_params import SamplingParams
-from tests.serving_fixtures import ROOT, Server, process_alive, start_server, stop_server
+from tests.serving_fixtures import ROOT, Server
 
 pytestmark = [
     pytest.mark.clients,
@@ -49,19 +46,14 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::DeprecationWarning"),
 ]
 CLIENTS_PYTHON_ENV = "MINSERVE_CLIENTS_PYTHON"
+CLIENTS_REQUIRED_ENV = "MINSERVE_CLIENTS_REQUIRED"  # set (`make test-clients`): a missing client fails
 TOL = 1e-3  # server vs offline engine log-probabilities (same code and weights, other batches)
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir) -> Server:
-    srv = start_server(tiny_model_dir)
-    yield srv
-    core = httpx.get(f"{srv.url}/v1/engine/stats", timeout=10).json()["core_pid"]
-    stop_server()
-    deadline = time.monotonic() + 30
-    while process_alive(core):
-        assert time.monotonic() < deadline, f"engine core {core} outlived serve.shutdown()"
-        time.sleep(0.2)
+def server(default_server) -> Server:
+    """The shared server (conftest), the one tests/test_serving.py uses."""
+    return default_server
 
 
 @pytest.fixture(scope="module")
@@ -347,13 +339,17 @@ def test_langchain_invoke_and_stream(server, stream_usage):
 
 
 def _client_python(module: str) -> str:
-    """A Python that can import `module`: this one, else $MINSERVE_CLIENTS_PYTHON; or skip."""
+    """A Python that can import `module`: this one, else $MINSERVE_CLIENTS_PYTHON; or skip (fail when
+    $MINSERVE_CLIENTS_REQUIRED is set)."""
     if importlib.util.find_spec(module) is not None:
         return sys.executable
     other = os.environ.get(CLIENTS_PYTHON_ENV)
     if other and subprocess.run([other, "-c", f"import {module}"], capture_output=True).returncode == 0:
         return other
-    pytest.skip(f"{module} is not importable here nor in ${CLIENTS_PYTHON_ENV}")
+    missing = f"{module} is not importable here nor in ${CLIENTS_PYTHON_ENV} (see `make test-clients`)"
+    if os.environ.get(CLIENTS_REQUIRED_ENV):
+        pytest.fail(missing)
+    pytest.skip(missing)
 
 
 def _run_client(module: str, code: str, *args: str, timeout: float = 300) -> dict:

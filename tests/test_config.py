@@ -10,9 +10,8 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.device import resolve_device_dtype
-from engine.model_config import ModelConfig
-from engine.models.registry import MODEL_REGISTRY
+from engine.device.placement import resolve_device_dtype
+from engine.models.registry import MODEL_REGISTRY, config_from_dict
 
 pytestmark = pytest.mark.engine
 
@@ -44,7 +43,7 @@ def test_options_reach_their_component():
 
 
 def test_model_config_is_frozen():
-    cfg = ModelConfig.from_dict({"model_type": "llama", "num_hidden_layers": 2})
+    cfg = config_from_dict({"model_type": "llama", "num_hidden_layers": 2})
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.vocab_size = 7
     assert cfg.layer_types == ("full_attention",) * 2 and cfg.sliding_windows == (None, None)
@@ -53,7 +52,7 @@ def test_model_config_is_frozen():
 @pytest.mark.parametrize("model_type", list(MODEL_REGISTRY))
 def test_family_defaults_come_from_its_class(model_type, monkeypatch):
     family = MODEL_REGISTRY[model_type]
-    cfg = ModelConfig.from_dict({"model_type": model_type})  # a wrapper without text_config: all defaults
+    cfg = config_from_dict({"model_type": model_type})  # a wrapper without text_config: all defaults
     defaults = family.config_defaults
     assert cfg.model_type == family.model_type
     assert (cfg.vocab_size, cfg.hidden_size, cfg.num_layers, cfg.max_position_embeddings) == (
@@ -63,12 +62,12 @@ def test_family_defaults_come_from_its_class(model_type, monkeypatch):
         defaults["max_position_embeddings"],
     )
     monkeypatch.setattr(family, "config_defaults", {**defaults, "vocab_size": 1234})
-    assert ModelConfig.from_dict({"model_type": model_type}).vocab_size == 1234
+    assert config_from_dict({"model_type": model_type}).vocab_size == 1234
 
 
 def test_unknown_model_type_names_the_file():
     with pytest.raises(ValueError, match=r"x/config\.json: model_type 'mamba' .* llama, qwen3, gemma3_text"):
-        ModelConfig.from_dict({"model_type": "mamba"}, source="x/config.json")
+        config_from_dict({"model_type": "mamba"}, source="x/config.json")
 
 
 @pytest.mark.parametrize(

@@ -2,8 +2,8 @@
 strings free KV blocks across the process boundary, the core's death fails every open request, and the
 core never outlives the process that started it.
 
-Two harnesses: `CoreClient` starts the real core process (`python -m engine.core`); `InProcessCore` runs
-the same `EngineCore` loop on a thread over a Pipe, so a test can hold the loop at a step boundary or
+Two harnesses: `CoreClient` starts the real core process (`python -m engine.core.process`); `InProcessCore`
+runs the same `EngineCore` loop on a thread over a Pipe, so a test can hold the loop at a step boundary or
 swap the engine's sampler.
 """
 
@@ -22,9 +22,9 @@ import pytest
 
 from engine import LLM
 from engine.config import EngineConfig
-from engine.core import EngineCore
+from engine.core.messages import Abort, Add, Dead, Record, Shutdown, Step
+from engine.core.process import EngineCore
 from engine.core_client import CoreClient
-from engine.core_messages import Abort, Add, Dead, Shutdown, Step
 from engine.errors import EngineDeadError
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
@@ -90,7 +90,7 @@ def llm(tiny_model_dir) -> LLM:
 def test_core_runs_in_a_process_of_its_own(client):
     assert client.proc.pid != os.getpid() and client.is_alive()
     cmdline = open(f"/proc/{client.proc.pid}/cmdline", "rb").read().split(b"\0")
-    assert b"engine.core" in cmdline
+    assert b"engine.core.process" in cmdline
 
 
 def test_outputs_equal_the_offline_engine(client, llm):
@@ -121,10 +121,17 @@ def test_outputs_equal_the_offline_engine(client, llm):
 
 
 def test_abort_frees_kv_blocks_across_the_process_boundary(client):
+    wait_for(lambda: "num_aborts" in client.stats(), what="the core's first stats")  # none before then
     aborts = client.stats()["num_aborts"]
     rid = client.submit([7] * 40, SamplingParams(max_tokens=3000, **GREEDY))
     wait_for(lambda: len(client.sink.tokens.get(f"{rid}/0", [])) >= 3, what="tokens")
-    assert client.stats()["kv_blocks_used"] > 0 or len(client.sink.tokens[f"{rid}/0"]) >= 3
+    # While it runs, the core's stats show it holding at least the blocks of its 40 prompt tokens and
+    # the token being decoded (block_size 16: 3 blocks); the stats ride on the core's step messages.
+    wait_for(
+        lambda: client.stats()["num_running"] == 1 and client.stats()["kv_blocks_used"] >= 3,
+        what="the running request's blocks in the core's stats",
+    )
+    assert rid not in client.sink.finish
     client.abort(rid)
     wait_for(lambda: client.stats()["kv_blocks_used"] == 0, what="blocks freed")
     wait_for(lambda: client.stats()["num_aborts"] == aborts + 1, what="the abort counted")
@@ -190,18 +197,18 @@ class InProcessCore:
         self.gate.wait(30)
         self.core.run()
 
-    def finals(self, want: set[str], timeout: float = 60, on_record=None) -> dict[str, tuple]:
+    def finals(self, want: set[str], timeout: float = 60, on_record=None) -> dict[str, Record]:
         """Read step messages until every request in `want` had its final record."""
-        got: dict[str, tuple] = {}
+        got: dict[str, Record] = {}
         deadline = time.monotonic() + timeout
         while not want <= set(got):
             assert self.conn.poll(max(0.0, deadline - time.monotonic())), f"missing finals {want - set(got)}"
             message = self.conn.recv()
-            for rec in message.records if isinstance(message, Step) else []:
+            for rec in message.records.rows() if isinstance(message, Step) else []:
                 if on_record is not None:
                     on_record(rec)
-                if rec[2]:
-                    got[rec[0]] = rec
+                if rec.finished:
+                    got[rec.request_id] = rec
         return got
 
     def close(self) -> None:
@@ -224,7 +231,10 @@ def test_adds_over_the_queue_wait_in_the_core_instead_of_failing(tiny_model_dir)
         )
         core.gate.set()
         finals = core.finals({"a", "b"})
-        assert {rid: rec[1][-1][4] for rid, rec in finals.items()} == {"a": "length", "b": "length"}
+        assert {rid: rec.samples[-1].finish_reason for rid, rec in finals.items()} == {
+            "a": "length",
+            "b": "length",
+        }
     finally:
         core.close()
 
@@ -236,9 +246,9 @@ def test_abort_of_a_request_still_queued_in_the_core(tiny_model_dir):
         adds = [Add(rid, [5, 6, 7], params, time.time()) for rid in "abc"]
         core.conn.send(adds + [Abort("c")])  # c never reached the engine's queue
         core.gate.set()
-        assert core.finals({"c"})["c"][1][0][4] == "abort"
+        assert core.finals({"c"})["c"].samples[0].finish_reason == "abort"
         core.conn.send([Abort("a"), Abort("b")])
-        assert {r[1][0][4] for r in core.finals({"a", "b"}).values()} == {"abort"}
+        assert {r.samples[0].finish_reason for r in core.finals({"a", "b"}).values()} == {"abort"}
         wait_for(lambda: not core.engine.has_unfinished(), what="idle")
         assert core.engine.block_manager.num_used == 0 and core.core.stats()["num_aborts"] == 3
     finally:

@@ -11,11 +11,11 @@ import torch
 
 from engine import LLM
 from engine.config import EngineConfig
-from engine.core_messages import Add
-from engine.faults import FaultInjector
+from engine.core.faults import FaultInjector
+from engine.core.messages import Add
 from engine.llm_engine import LLMEngine
 from engine.nanochat import Engine as NanochatEngine
-from engine.sampler import PendingSample
+from engine.sampling.sampler import PendingSample
 from engine.sampling_params import BudgetForcing, SamplingParams, ToolConfig
 from tests.reference import NaiveGenerator
 from tests.test_engine_core import InProcessCore
@@ -177,7 +177,9 @@ def test_calculator_works_inside_the_engine_core_loop(tiny_model_dir):
         core.conn.send([Add("calc", prompt, SamplingParams(max_tokens=8, tool=tool, **GREEDY), 0.0)])
         core.gate.set()
         tokens = []
-        core.finals({"calc"}, on_record=lambda rec: tokens.extend(t for s in rec[1] for t in s[1]))
+        core.finals(
+            {"calc"}, on_record=lambda rec: tokens.extend(t for s in rec.samples for t in s.token_ids)
+        )
     finally:
         core.close()
     forced = [tok.token_id(tool.output_start)] + tok.encode("42", add_special_tokens=False)
@@ -221,7 +223,7 @@ def test_budget_forcing_cycles_its_replacements(tiny_model_dir):
     tok = engine.tokenizer
     bf = BudgetForcing(suppress="</think>", replacements=["Wait", "Hmm"], min_tokens=20)
     rid = engine.add_request([5, 6, 7], SamplingParams(max_tokens=30, budget_forcing=bf, **GREEDY))
-    (seq,) = engine.requests[rid].seqs
+    (seq,) = engine.state.requests[rid].seqs
     forced_at = {1, 8}  # the first two samples, then every later one until the budget is spent: none
     engine.runner.sampler = ForcedSampler(
         engine.runner, tok.token_id("</think>"), lambda call, i, r: call in forced_at

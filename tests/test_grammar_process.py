@@ -1,4 +1,4 @@
-"""The matcher process (engine/grammar_process.py, engine/grammar_remote.py) against matchers advanced
+"""The matcher process (engine/structured/process.py, engine/structured/remote.py) against matchers advanced
 on the host, and the engine's outputs with the matchers in a process against those with them on a
 thread of the engine's own process."""
 
@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from benchmarks.structured_cases import REGEXES, SCHEMAS
-from engine import grammar_process
-from engine.grammar_process import GrammarProcessError
-from engine.grammar_remote import ProcessBitmaskFiller
-from engine.grammar_state import BitmaskFiller, GrammarError, GrammarState
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
-from engine.structured import compiler_for
+from engine.structured import process as grammar_process
+from engine.structured.compiler import compiler_for
+from engine.structured.process import GrammarProcessError
+from engine.structured.remote import ProcessBitmaskFiller
+from engine.structured.state import BitmaskFiller, GrammarError, GrammarState
 from tests.structured_helpers import PROMPT, make_engine, run, so
 
 pytest.importorskip("llguidance")

@@ -31,7 +31,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from engine.attention_context import AttentionMetadata, attention_context  # noqa: E402
+from engine.models.attention_context import AttentionMetadata, attention_context  # noqa: E402
 from kernels import arrivals, ops, torch_ops  # noqa: E402
 from tests.kernel_helpers import (  # noqa: E402
     ENVS,

@@ -163,12 +163,32 @@ def test_prefill_attention_over_fp8_cache(env: Env) -> None:
     close(out, torch_ops.attention(q, k_new, k_new, k_cache, v_cache, meta, 0.1), env)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not CUDA_OK, reason="needs CUDA")
-def test_fp8_cache_block_copy_on_gpu() -> None:
-    """Copy-on-write block copies (engine.model_runner) index fp8 caches on the device."""
-    cache = torch.randn(6, 16, 8, 128, device="cuda").to(FP8)
-    src, dst = torch.tensor([0, 2], device="cuda"), torch.tensor([4, 5], device="cuda")
-    cache[dst] = cache[src]
-    assert torch.equal(cache[4].view(torch.uint8), cache[0].view(torch.uint8))
-    assert torch.equal(cache[5].view(torch.uint8), cache[2].view(torch.uint8))
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not CUDA_OK, reason="needs CUDA")]),
+    ],
+)
+def test_fp8_cache_block_copy(tiny_model_dir, device: str) -> None:
+    """Copy-on-write block copies (engine.runner.model_runner.ModelRunner._copy_blocks) copy the bytes of
+    every layer's fp8 K and V blocks, and touch no other block."""
+    from engine.config import EngineConfig
+    from engine.runner.model_runner import ModelRunner
+
+    config = EngineConfig.from_kwargs(
+        str(tiny_model_dir), device=device, kv_cache_dtype="fp8", num_blocks=8, enforce_eager=True
+    )
+    runner = ModelRunner(config)
+    g = torch.Generator().manual_seed(9)
+    for k_cache, v_cache in runner.kv_caches:
+        assert k_cache.dtype == v_cache.dtype == FP8 and k_cache.device.type == device
+        for cache in (k_cache, v_cache):  # any byte, NaN codes included: a copy moves bytes, not values
+            cache.view(torch.uint8).copy_(torch.randint(0, 256, cache.shape, generator=g, dtype=torch.uint8))
+    before = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+    runner._copy_blocks([(0, 4), (2, 5), (7, 1)])
+    for layer, (caches, olds) in enumerate(zip(runner.kv_caches, before, strict=True)):
+        for name, got, old in zip("KV", caches, olds):
+            want = old.view(torch.uint8).clone()
+            want[4], want[5], want[1] = want[0].clone(), want[2].clone(), want[7].clone()
+            assert torch.equal(got.view(torch.uint8), want), f"layer {layer} {name}: not the expected copy"

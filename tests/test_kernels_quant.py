@@ -36,6 +36,7 @@ pytest.importorskip("triton")
 from kernels import ops, torch_ops  # noqa: E402
 from kernels import triton_qgemm as tq  # noqa: E402
 from kernels import triton_qgemv as tv  # noqa: E402
+from kernels import triton_qgemv_tiles as tt  # noqa: E402
 from kernels import triton_qgemv_w8a8 as w8  # noqa: E402
 from tests.kernel_helpers import poisoned_empty  # noqa: E402
 
@@ -296,8 +297,8 @@ def test_configs_from_shapes() -> None:
     """GEMV: tiles hold whole 128-column scale blocks and fill the GPU; GEMM: BLOCK_N shrinks to fill it."""
     for n, k in [(6144, 4096), (4096, 14336), (28672, 4096), (2048, 8192), (160, 192), (8, 64)]:
         block_n, block_k, _, _ = tv.qgemv_config(n, k, 132)
-        assert block_k % 128 == 0 and (block_n == 1 or -(-n // block_n) >= tv.MIN_PROGRAMS_PER_SM * 132)
-    assert tv.qgemv_config(4096, 14336, 132)[1] == tv.LONG_ROWS[0]
+        assert block_k % 128 == 0 and (block_n == 1 or -(-n // block_n) >= tt.MIN_PROGRAMS_PER_SM * 132)
+    assert tv.qgemv_config(4096, 14336, 132)[1] == tt.LONG_ROWS[0]
     assert w8.w8a8_config(6144, 4096, 132)[0] == w8.WIDE[0]  # 384 programs of 16 rows
     assert w8.w8a8_config(28672, 4096, 132) == tv.qgemv_config(28672, 4096, 132)  # 1,792: too many
     assert w8.w8a8_config(4096, 14336, 132) == tv.qgemv_config(4096, 14336, 132)  # long rows

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from engine.loader import load_model
+from engine.models.loader import load_model
 from tests.conftest_models import save_checkpoint, tiny_hf_model
 
 pytestmark = pytest.mark.parity

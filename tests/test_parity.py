@@ -17,10 +17,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.attention_context import AttentionMetadata, attention_context
-from engine.loader import load_model
-from engine.model_config import ModelConfig
+from engine.models.attention_context import AttentionMetadata, attention_context
 from engine.models.layers import Attention
+from engine.models.loader import load_model
+from engine.models.registry import config_from_dict, config_from_dir
 from tests.conftest_models import (
     FAMILIES,
     hf_logits,
@@ -201,8 +201,8 @@ def _to_4x_spelling(raw: dict) -> dict:
 def test_config_spellings_agree(family, tmp_path):
     tiny_hf_config(family).save_pretrained(tmp_path)
     raw = json.loads((tmp_path / "config.json").read_text())
-    new = ModelConfig.from_dir(tmp_path)
-    old = ModelConfig.from_dict(_to_4x_spelling(raw))
+    new = config_from_dir(tmp_path)
+    old = config_from_dict(_to_4x_spelling(raw))
     for name in (
         "rope_theta",
         "rope_scaling",

@@ -25,7 +25,7 @@ from engine.core_client import CoreClient
 from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine
 from engine.outputs import TokenLogprob
-from engine.sampler import Sampler
+from engine.sampling.sampler import Sampler
 from engine.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 from tests.reference import NaiveGenerator
 
@@ -400,4 +400,4 @@ def test_gpu_prompt_logprobs_and_bias_beside_graph_decodes(tiny_model_dir, hf_lo
         assert len(e.top) == 3 and all(abs(ref[i - 1, t].item() - lp) < 2e-3 for t, lp in e.top)
     assert single["prompt"] == [None] and single["tokens"] == {0: []} and single["finish"] == {0: "length"}
     assert biased["tokens"][0] == [555] * 6
-    assert not any(engine.requests.get(d) for d in decoders) and engine.audit() == []
+    assert not any(engine.state.requests.get(d) for d in decoders) and engine.audit() == []

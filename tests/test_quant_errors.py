@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.config import EngineConfig
-from engine.loader import load_model
 from engine.models.layers import Linear
+from engine.models.loader import load_model
 from engine.models.quant_linear import QuantLinear
 from scripts.make_model import make_model
 

@@ -15,9 +15,9 @@ import math
 import pytest
 import torch
 
-from engine import quant_loader
+from engine.models import quant_loader
+from engine.models.quant_config import LinearQuant
 from engine.models.quant_linear import QuantLinear, QuantMergedLinear, scale_row_blocks
-from engine.quant_config import LinearQuant
 from kernels import ops
 
 pytestmark = pytest.mark.engine

@@ -7,7 +7,7 @@ checkpoint holding exactly weight * scale. Loaded in float32:
   the activations, which each format's act_quant adds;
 * with activation rounding switched off, the logits equal the twin's: every scale sits on its rows;
 * quantization="fp8" on the float checkpoint gives bit for bit the fp8-channel checkpoint's tensors
-  (two independent quantisers: engine/quant_loader.py and scripts/quant_formats.py);
+  (two independent quantisers: engine/models/quant_loader.py and scripts/quant_formats.py);
 * quantization=None on a float checkpoint builds no quantised module, never calls ops.quant_linear,
   and still matches transformers.
 tiny-quant puts 128-row tile edges inside q and gate/up; the Qwen3 and Gemma 3 stand-ins (tied
@@ -26,9 +26,9 @@ from unittest import mock
 import pytest
 import torch
 
-from engine.attention_context import AttentionMetadata, attention_context
-from engine.loader import load_model
+from engine.models.attention_context import AttentionMetadata, attention_context
 from engine.models.layers import Linear, MergedLinear
+from engine.models.loader import load_model
 from engine.models.quant_linear import QuantLinear
 from scripts.make_model import make_model
 from scripts.model_shapes import get_spec

@@ -14,11 +14,11 @@ import pytest
 from hypothesis import Phase, event, given, settings
 from hypothesis import strategies as st
 
-from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
-from engine.request import Request, SeqStatus, Sequence
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.sched.block_manager import BlockManager
+from engine.sched.request import Request, SeqStatus, Sequence
+from engine.sched.scheduler import Scheduler, SchedulerOutput
 
 pytestmark = pytest.mark.engine
 

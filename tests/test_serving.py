@@ -1,8 +1,9 @@
 """The real server (Ray Serve, serve_config.yaml, tiny model) through the official openai client and raw HTTP.
 
-One server for the whole module (Ray startup is the slow part). Greedy outputs are checked against the
-offline engine (`engine.LLM`) run in this process; streaming against non-streaming; SSE framing and
-error bodies byte by byte; disconnects against the engine's KV block count.
+The server is the one shared with tests/test_clients.py and tests/test_serving_tools.py (conftest).
+Greedy outputs are checked against the offline engine (`engine.LLM`) run in this process; streaming
+against non-streaming; SSE framing and error bodies byte by byte; disconnects against the engine's KV
+block count.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import openai
 import pytest
 
 from engine.sampling_params import SamplingParams
-from tests.serving_fixtures import ROOT, Server, process_alive, start_server, stop_server, wait_idle
+from tests.serving_fixtures import ROOT, Server, wait_idle
 
 # Ray Serve's own pydantic models warn on import; not ours to fix.
 pytestmark = [pytest.mark.serving, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
@@ -30,15 +31,9 @@ PROMPT = "The quick brown fox jumps over the lazy dog"
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir) -> Server:
-    srv = start_server(tiny_model_dir)
-    yield srv
-    core = httpx.get(f"{srv.url}/v1/engine/stats", timeout=10).json()["core_pid"]
-    stop_server()  # serve.shutdown(), what `serve shutdown` does: no engine core may stay behind
-    deadline = time.monotonic() + 30
-    while process_alive(core):
-        assert time.monotonic() < deadline, f"engine core {core} outlived serve.shutdown()"
-        time.sleep(0.2)
+def server(default_server) -> Server:
+    """The shared server (conftest); its stop checks that serve.shutdown() leaves no engine core behind."""
+    return default_server
 
 
 @pytest.fixture(scope="module")
@@ -197,7 +192,7 @@ def test_the_engine_runs_in_a_process_of_its_own(server):
     replica, core = stats["pid"], stats["core_pid"]
     assert core != replica
     cmdline = open(f"/proc/{core}/cmdline", "rb").read().split(b"\0")
-    assert b"engine.core" in cmdline
+    assert b"engine.core.process" in cmdline
     parent = int(open(f"/proc/{core}/stat").read().rsplit(") ", 1)[1].split()[1])
     assert parent == replica  # started and owned by the replica
 
@@ -331,14 +326,37 @@ def test_logprobs_shapes(server, client):
     assert len(content) == chat.usage.completion_tokens and all(len(t.top_logprobs) == 2 for t in content)
 
 
-def test_extension_fields_reach_the_engine(server):
-    """The extensions are mapped onto SamplingParams (their effects are tested in the engine tests)."""
+def _forced_suppress(llm, prompt: str, max_tokens: int) -> tuple[int, str]:
+    """(index, text) of the first token of the greedy output whose text encodes back to that token
+    first: budget forcing can suppress it (it compares the sampled id with its suppress string's first)."""
+    tok = llm.tokenizer
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    for i, t in enumerate(llm.generate(prompt, params)[0].outputs[0].token_ids):
+        text = tok.decode([t])
+        if tok.encode(text, add_special_tokens=False)[:1] == [t]:
+            return i, text
+    raise AssertionError(f"no suppressible token in the first {max_tokens} greedy tokens")
+
+
+def test_extension_fields_reach_the_engine(server, tiny_model_dir):
+    """The extensions are mapped onto SamplingParams: budget forcing changes the server's text exactly
+    as it changes the offline engine's (the effects' details are tested in the engine tests)."""
+    from engine import LLM
+    from engine.sampling_params import BudgetForcing
+
     body = {"model": server.model, "prompt": PROMPT, "max_tokens": 6, "ignore_eos": True, "temperature": 0}
     plain = _post(server, "/v1/completions", body).json()["choices"][0]["text"]
     calc = _post(server, "/v1/completions", {**body, "tools_calculator": True})
     assert calc.status_code == 200 and calc.json()["choices"][0]["text"] == plain  # no tool call: same text
-    forcing = {"suppress": "</think>", "replacements": [" Wait"], "min_tokens": 4}
-    assert _post(server, "/v1/completions", {**body, "budget_forcing": forcing}).status_code == 200
+    llm = LLM(str(tiny_model_dir))
+    at, suppress = _forced_suppress(llm, PROMPT, 16)  # greedy samples `suppress` as output token `at`
+    forcing = {"suppress": suppress, "replacements": [" Wait"], "min_tokens": at + 2}
+    greedy = dict(max_tokens=at + 6, temperature=0.0, ignore_eos=True)
+    unforced = llm.generate(PROMPT, SamplingParams(**greedy))[0].outputs[0].text
+    (want,) = llm.generate(PROMPT, SamplingParams(**greedy, budget_forcing=BudgetForcing(**forcing)))
+    assert " Wait" in want.outputs[0].text and want.outputs[0].text != unforced  # the forcing bites
+    forced = _post(server, "/v1/completions", {**body, "max_tokens": at + 6, "budget_forcing": forcing})
+    assert forced.status_code == 200 and forced.json()["choices"][0]["text"] == want.outputs[0].text
     bad = {**body, "budget_forcing": {"suppress": "x", "replacements": [], "min_tokens": 1}}
     _assert_error(_post(server, "/v1/completions", bad), 422, param="budget_forcing.replacements")
     bad = {**body, "budget_forcing": {"suppress": "x", "replacement": ["y"]}}  # misspelt nested field

@@ -3,7 +3,7 @@
 `serve run` starts its own local Ray (as a user's shell would); the test then kills the engine replica
 with SIGKILL (its core must go with it, and Serve must bring up a new replica and core), and Ctrl-C's
 `serve run` (no Ray process and no core may stay behind). `serve shutdown` is Serve's API shutdown,
-which tests/test_serving.py's server fixture checks at its end.
+which tests/serving_fixtures.py's stop of the shared server checks.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.serving_fixtures import ROOT, _free_port, process_alive, wait_until
+from tests.serving_fixtures import ROOT, _free_port, process_alive, serve_test_env, wait_until
 
 pytestmark = [pytest.mark.serving, pytest.mark.slow]
 # SIGINT raises KeyboardInterrupt also when this test runs where SIGINT is ignored (a background job)
@@ -60,6 +60,7 @@ def test_no_core_outlives_its_replica_or_the_server(tiny_model_dir, tmp_path):
         "RAY_ADDRESS": "local",
         "PYTHONPATH": str(ROOT),
         "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+        **serve_test_env(),
     }
     log = open(tmp_path / "serve.log", "w")
     proc = subprocess.Popen(

@@ -18,9 +18,9 @@ from app.engine_client import EngineStream
 from app.prefix_keys import PrefixKeys
 from app.prompts import prepare
 from app.router import HASHES_KWARG, PrefixAwareRouter, ReplicaView
-from engine import admission
 from engine import prompt_block_hashes as block_hashes
-from engine.block_manager import BlockManager, BlockTable
+from engine.sched import admission
+from engine.sched.block_manager import BlockManager, BlockTable
 from engine.tokenizer import Tokenizer
 from tests.conftest import ROOT
 
@@ -64,7 +64,7 @@ def test_routing_keys_are_the_prefix_cache_hashes(tiny_model_dir):
     assert matched == 5 * BS and table.hashes == hashes[:5]  # the blocks the cache holds, hash for hash
     assert len(hashes) == (len(probe) - 1) // BS
     # text and chat prompts: tokenized as the engine replica does it (app/prompts.prepare, then
-    # engine/admission.tokenize in CoreClient.submit), chat template included
+    # engine/sched/admission.tokenize in CoreClient.submit), chat template included
     tokenizer = Tokenizer.from_dir(tiny_model_dir)
     text = "The quick brown fox jumps over the lazy dog. " * 20
     chat = ChatPrompt([{"role": "system", "content": text}, {"role": "user", "content": "hello"}])

@@ -31,9 +31,9 @@ WORKLOAD = Workload(prefixes=8, prefix_len=384, users=24, turns=3, concurrency=4
 
 
 @contextlib.contextmanager
-def serving(model_dir, overrides: dict):
+def serving(model_dir, overrides: dict, **kwargs):
     try:
-        yield start_server(model_dir, overrides)
+        yield start_server(model_dir, overrides, **kwargs)
     finally:  # also after a failed start: its Ray and HAProxy would hold the ports of the next one
         stop_server()
 
@@ -158,7 +158,7 @@ def test_scale_down_lets_the_leaving_replica_finish_its_streams(tiny_model_dir):
     waits up to engine_graceful_shutdown_timeout_s for their streams: every stream finishes, none is cut.
 
     The streams outlast Serve's own drain budget for an ingress replica (35 s with direct ingress), the
-    leaving ingress holds their client connections, and a null core (engine/null_core.py) paces them,
+    leaving ingress holds their client connections, and a null core (engine/core/null_engine.py) paces them,
     so that their length does not depend on this machine's load. The ingress must wait as long as the
     engine does (app/builder.py, _INGRESS_DRAIN_MARGIN_S); with Serve's budget the streams were cut."""
     from ray import serve
@@ -168,7 +168,8 @@ def test_scale_down_lets_the_leaving_replica_finish_its_streams(tiny_model_dir):
     step_ms, max_tokens = 25, 1800  # 45 s a stream: beyond the 35 s Serve gives a leaving ingress
     overrides = {**TWO, "prefix_aware_routing": True, "engine_graceful_shutdown_timeout_s": 120}
     overrides |= {"null_core_step_ms": step_ms}
-    with serving(tiny_model_dir, overrides) as server:
+    # Serve's own deregistration window for a leaving ingress, as in production (the 35 s above)
+    with serving(tiny_model_dir, overrides, deregister_s=None) as server:
         vocab = _vocab(server)
         prompts = [[(11 * i + j) % (vocab - 16) + 8 for j in range(30)] for i in range(8)]
 

@@ -1,17 +1,16 @@
 """Structured output and tool calling against the real server (issue 28), through the official `openai`
 SDK and LangChain's ChatOpenAI.
 
-One server (Ray Serve, serve_config.yaml, `tool_call_parser: auto` -> llama3_json for the tiny Llama)
-runs for the module, on a copy of the tiny model whose template is the current engine/templates/
-llama.jinja. The model is random: without a constraint its text is noise, so those tests check shapes
-only; with one, every output that finishes must validate.
+The shared default server (conftest: Ray Serve, serve_config.yaml, `tool_call_parser: auto` ->
+llama3_json for the tiny Llama), on the tiny model, whose template is the current engine/templates/
+llama.jinja (conftest's tiny_model_dir makes sure). The model is random: without a constraint its text
+is noise, so those tests check shapes only; with one, every output that finishes must validate.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import shutil
 from typing import Literal
 
 import httpx
@@ -19,8 +18,7 @@ import openai
 import pydantic
 import pytest
 
-from engine.chat_template import family_template
-from tests.serving_fixtures import Server, start_server, stop_server
+from tests.serving_fixtures import Server
 from tests.test_clients import _run_client
 
 pytestmark = [pytest.mark.serving, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
@@ -50,15 +48,8 @@ class Weather(pydantic.BaseModel):
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir, tmp_path_factory) -> Server:
-    model = shutil.copytree(tiny_model_dir, tmp_path_factory.mktemp("tools") / "tiny-llama")
-    config_path = model / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config["chat_template"] = family_template("llama")
-    config_path.write_text(json.dumps(config))
-    srv = start_server(model)
-    yield srv
-    stop_server()
+def server(default_server) -> Server:
+    return default_server
 
 
 @pytest.fixture(scope="module")
@@ -152,18 +143,28 @@ def test_tool_round_trip_messages(client, server):
 
 
 def test_langchain_bind_tools_auto(server):
-    out = _run_client("langchain_openai", LANGCHAIN_AUTO, server.url, server.model)
-    assert out["type"] == "ai" and all(c["name"] in ("get_weather",) for c in out["tool_calls"])
+    """tool_choice auto through LangChain's bind_tools: the server finds the call in the answer's text
+    (llama3_json) and LangChain gets it parsed. The random model is steered onto a call: logit_bias
+    makes "W" its greedy token at every step, and budget forcing replaces the first one with the call's
+    JSON (the "W"s after it are content)."""
+    resp = _post(server, "/tokenize", {"model": server.model, "prompt": "W", "add_special_tokens": False})
+    (w,) = resp.json()["tokens"]
+    call = json.dumps({"name": "get_weather", "parameters": {"city": "Paris"}})
+    out = _run_client("langchain_openai", LANGCHAIN_AUTO, server.url, server.model, str(w), call)
+    assert out["type"] == "ai"
+    assert [(c["name"], c["args"]) for c in out["tool_calls"]] == [("get_weather", {"city": "Paris"})]
 
 
 LANGCHAIN_AUTO = """
 import json, sys
 from typing import Literal
 from langchain_openai import ChatOpenAI
-url, model = sys.argv[1:3]
+url, model, w, call = sys.argv[1:5]
 def get_weather(city: Literal["Paris", "Tokyo"]) -> str:
     \"\"\"Current weather for a city.\"\"\"
-llm = ChatOpenAI(base_url=url + "/v1", api_key="x", model=model, temperature=0, max_tokens=24, max_retries=0)
+forcing = {"suppress": "W", "replacements": [call], "min_tokens": 1}
+llm = ChatOpenAI(base_url=url + "/v1", api_key="x", model=model, temperature=0, max_tokens=48, max_retries=0,
+                 logit_bias={int(w): 100}, extra_body={"budget_forcing": forcing})
 msg = llm.bind_tools([get_weather]).invoke("Weather in Paris?")
 print(json.dumps({"type": msg.type, "tool_calls": msg.tool_calls}))
 """
@@ -181,10 +182,13 @@ def test_json_schema_and_parse(client, server):
     parse = getattr(client.chat.completions, "parse", None) or client.beta.chat.completions.parse
     parsed = parse(**kw, response_format=Weather)
     assert isinstance(parsed.choices[0].message.parsed, Weather)
-    obj = client.chat.completions.create(**kw, response_format={"type": "json_object"})
-    assert obj.choices[0].finish_reason == "length" or isinstance(
-        json.loads(obj.choices[0].message.content), dict
-    )
+    # An open object never ends on the random model (it writes one key until max_tokens): logit_bias
+    # makes "}" its choice wherever the grammar admits it, so the object closes and is always checked.
+    close = _post(server, "/tokenize", {"model": server.model, "prompt": "}", "add_special_tokens": False})
+    (brace,) = close.json()["tokens"]
+    obj = client.chat.completions.create(**kw, response_format=JSON_OBJECT, logit_bias={str(brace): 100})
+    assert obj.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(obj.choices[0].message.content), dict)
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.ngram_proposer import propose
+from engine.spec.ngram import propose
 
 pytestmark = pytest.mark.engine
 
@@ -69,7 +69,7 @@ def test_index_matches_the_scan_as_the_sequence_grows():
     """NgramIndex (incremental) proposes exactly what the reverse scan `propose` does, at every length."""
     import random
 
-    from engine.ngram_proposer import NgramIndex
+    from engine.spec.ngram import NgramIndex
 
     rng = random.Random(3)
     for n_max, n_min, k in ((4, 1, 3), (3, 2, 5), (1, 1, 2)):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.spec_verify import PAD, draw_uniforms, verify
+from engine.spec.verify import PAD, draw_uniforms, verify
 from tests.stats import chi_square_p
 
 pytestmark = pytest.mark.engine

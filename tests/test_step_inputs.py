@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from engine.step_inputs import StepBatch, pack, unpack
+from engine.runner.step_inputs import StepBatch, pack, unpack
 
 pytestmark = pytest.mark.engine
 

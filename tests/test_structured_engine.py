@@ -19,16 +19,17 @@ import pytest
 import torch
 
 from benchmarks.structured_cases import CHOICES, GRAMMARS, REGEXES, SCHEMAS
-from engine import admission, grammar_state
 from engine.config import EngineConfig
+from engine.device.uploader import device_view
 from engine.errors import InvalidRequestError
-from engine.grammar_process import GrammarProcess
-from engine.grammar_remote import ProcessBitmaskFiller
-from engine.grammar_state import BitmaskFiller, GrammarError, GrammarState
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams, StructuredOutput
-from engine.structured import compiler_for
-from engine.uploader import device_view
+from engine.sched import admission
+from engine.structured import state as grammar_state
+from engine.structured.compiler import compiler_for
+from engine.structured.process import GrammarProcess
+from engine.structured.remote import ProcessBitmaskFiller
+from engine.structured.state import BitmaskFiller, GrammarError, GrammarState
 from kernels import ops, torch_ops
 from tests.structured_helpers import PROMPT, make_engine, run, so
 
@@ -204,7 +205,7 @@ def chain_grammar(n: int) -> str:
 
 
 def test_compile_limits_are_enforced(engine, monkeypatch):
-    from engine import structured
+    from engine.structured import compiler as structured
 
     compiler = structured.GrammarCompiler(engine.tokenizer, engine.limits.vocab_size)
     # deep nesting overflowed the caller's 8 MiB stack (SIGSEGV); the compile thread's stack holds it

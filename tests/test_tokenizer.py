@@ -1,4 +1,4 @@
-"""engine.tokenizer and engine.detokenizer on generated checkpoints: round trips, special ids, errors,
+"""engine.tokenizer and engine.output.detokenizer on generated checkpoints: round trips, special ids, errors,
 and streamed deltas that always add up to one full decode."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from engine.detokenizer import MAX_PENDING, IncrementalDetokenizer
+from engine.output.detokenizer import MAX_PENDING, IncrementalDetokenizer
 from engine.tokenizer import Tokenizer
 from scripts.make_model import make_model
 
