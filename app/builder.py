@@ -126,14 +126,21 @@ def build_app(args: AppArgs) -> Application:
     except (TypeError, ValueError) as exc:
         raise ValueError(f"args.engine: {exc}") from exc
     routing = _routing(args)
+    name = args.served_model_name or os.path.basename(model.rstrip("/"))
+    engine = _bind_engine(args, model, name, routing)
+    prefix_keys = {"model_dir": model, "block_size": block_size} if routing else None
+    return _bind_ingress(args, engine, model, name, prefix_keys)
+
+
+def _bind_engine(args: AppArgs, model: str, name: str, routing: dict[str, Any]) -> Application:
+    """The engine deployment: its replicas' resources, scaling and request router, and its arguments."""
     num_gpus = args.num_gpus if args.num_gpus is not None else (1 if _cuda_available() else 0)
     scaling: dict[str, Any] = (
         {"autoscaling_config": args.autoscaling_config}
         if args.autoscaling_config
         else {"num_replicas": args.num_replicas}
     )
-    name = args.served_model_name or os.path.basename(model.rstrip("/"))
-    engine = EngineDeployment.options(
+    return EngineDeployment.options(
         ray_actor_options={"num_gpus": num_gpus, "num_cpus": args.engine_num_cpus},
         max_ongoing_requests=args.max_ongoing_requests + _CONTROL_HEADROOM,
         graceful_shutdown_timeout_s=args.engine_graceful_shutdown_timeout_s,
@@ -150,6 +157,12 @@ def build_app(args: AppArgs) -> Application:
         stats_interval_s=args.stats_interval_s,
         null_core_step_ms=args.null_core_step_ms,
     )
+
+
+def _bind_ingress(
+    args: AppArgs, engine: Application, model: str, name: str, prefix_keys: dict[str, Any] | None
+) -> Application:
+    """The HTTP ingress in front of `engine`; `prefix_keys` when its requests are routed by prefix."""
     return Ingress.options(
         num_replicas=args.ingress_num_replicas,
         max_ongoing_requests=args.ingress_max_ongoing_requests,
@@ -165,7 +178,7 @@ def build_app(args: AppArgs) -> Application:
         max_body_bytes=args.max_body_bytes,
         reasoning_parser=args.reasoning_parser,
         tool_call_parser=resolve_parser(args.tool_call_parser, _model_type(model)),
-        prefix_keys={"model_dir": model, "block_size": block_size} if routing else None,
+        prefix_keys=prefix_keys,
     )
 
 

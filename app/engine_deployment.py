@@ -1,7 +1,7 @@
 """The engine deployment: one engine core process per replica, its outputs fanned out to Serve streams.
 
 The replica holds the GPU (Serve gives it `num_gpus`) but runs no model: it starts the engine core
-process (engine/core.py, through engine/core_client.CoreClient), which inherits the GPU and runs the
+process (engine/core/process.py, through engine/core_client.CoreClient), which inherits the GPU and runs the
 step loop alone. This process does admission, request intake, detokenization and the fan-out of the
 core's outputs to streams; its event loop never shares a GIL with the forward passes.
 

@@ -10,11 +10,11 @@ replica to the core sampling its first token (RequestMetrics.engine_token_time),
 engine replica. Inter-token latency is
 aggregated per streamed item (chunk): one observation per item, the mean gap between the engine steps
 that brought its tokens, so the Ray calls scale with items (at most stream_items_per_s), not tokens.
-Each Ray call costs ~2 us of this replica's GIL, and per token they took a sixth of the replica's
-samples under load. The event loop only counts values into local buckets (`ItlBuckets.add`); a
-background thread replays them into the Ray histogram every 0.1 s, each bucket's count at the mean of
-its values, so bucket counts and the sum stay exact. Counters and gauges come from the engine core's
-stats, polled by the engine deployment: counters advance by the difference between two polls of the
+Each Ray call takes this replica's GIL, and one call per token took a large share of the replica's time
+under load (docs/performance.md, ideas tried). The event loop only counts values into local buckets
+(`ItlBuckets.add`); a background thread replays them into the Ray histogram every 0.1 s, each bucket's count
+at the mean of its values, so bucket counts and the sum stay exact. Counters and gauges come from the engine
+core's stats, polled by the engine deployment: counters advance by the difference between two polls of the
 engine's running totals, so a poll that is missed or late loses nothing. Ray adds the application,
 deployment and replica tags; we add `model`.
 Prometheus names (Ray appends `_total` to counters):

@@ -3,7 +3,7 @@
 A request whose leading KV blocks a replica already holds skips their prefill there, so a shared system
 prompt or a multi-turn chat should land where its blocks are. Serve's default power-of-two router
 ignores that. This router scores each candidate replica by how many of the request's leading blocks it
-holds, using the engine's own block hashes (engine/block_manager.chain_hash over the prompt's token
+holds, using the engine's own block hashes (engine/sched/block_manager.chain_hash over the prompt's token
 ids after the chat template, computed by the ingress: app/prefix_keys.py).
   * When the best holder holds at most `min_gain` (a quarter) of the request's blocks more than the
     least loaded replica, the cache would save little of this prompt: the least loaded replica takes
@@ -31,7 +31,7 @@ to the replica its first id was routed to: the ingress groups its aborts by `rou
 tables live there).
 
 What a replica holds comes from two sources:
-  * its `record_routing_stats` (engine/block_manager.prefix_summary): a sample of its cached block
+  * its `record_routing_stats` (engine/sched/block_manager.prefix_summary): a sample of its cached block
     hashes, those h with h % stride == 0 (about 4096 of them whatever the pool), refreshed every
     `request_routing_stats_period_s` (1 s) plus the controller's broadcast delay; a held prefix is
     found to within `stride` blocks;

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from engine.outputs import RequestOutput
+from engine.outputs import CompletionDelta, RequestOutput
 
 
 def _empty_sample(index: int) -> dict:
@@ -36,27 +36,10 @@ def to_wire(outs: list[RequestOutput], token_text: Callable[[int], str]) -> dict
     samples: dict[int, dict] = {}
     prompt_logprobs = None
     for out in outs:
-        plp = out.prompt_logprobs
-        if plp is not None:
-            prompt_logprobs = [
-                None if e is None else
-                {"token_id": e.token_id, "token": token_text(e.token_id), "logprob": e.logprob,
-                 "top": [(t, token_text(t), v) for t, v in e.top]}
-                for e in plp
-            ]  # fmt: skip
+        if out.prompt_logprobs is not None:
+            prompt_logprobs = _prompt_logprobs_wire(out.prompt_logprobs, token_text)
         for d in out.outputs:
-            s = samples.setdefault(d.index, _empty_sample(d.index))
-            s["text"] += d.text
-            s["token_ids"].extend(d.token_ids)
-            if d.logprobs:
-                entries = [
-                    {"token": token_text(lp.token_id), "logprob": lp.logprob,
-                     "top": [(token_text(t), v) for t, v in lp.top]}
-                    for lp in d.logprobs
-                ]  # fmt: skip
-                s["logprobs"] = (s["logprobs"] or []) + entries
-            if d.finish_reason is not None:
-                s["finish_reason"], s["error"] = d.finish_reason, d.error
+            _merge_delta(samples.setdefault(d.index, _empty_sample(d.index)), d, token_text)
     last = outs[-1]
     return {
         "kind": "output",
@@ -67,6 +50,31 @@ def to_wire(outs: list[RequestOutput], token_text: Callable[[int], str]) -> dict
         "cached_tokens": last.cached_tokens,
         "prompt_logprobs": prompt_logprobs,
     }
+
+
+def _prompt_logprobs_wire(plp: list, token_text: Callable[[int], str]) -> list:
+    """[None, {"token_id", "token", "logprob", "top": [(id, str, lp)]}, ...]: see `to_wire`."""
+    return [
+        None if e is None else
+        {"token_id": e.token_id, "token": token_text(e.token_id), "logprob": e.logprob,
+         "top": [(t, token_text(t), v) for t, v in e.top]}
+        for e in plp
+    ]  # fmt: skip
+
+
+def _merge_delta(sample: dict, d: CompletionDelta, token_text: Callable[[int], str]) -> None:
+    """Append one delta of a sample to its wire item `sample` (made by `_empty_sample`)."""
+    sample["text"] += d.text
+    sample["token_ids"].extend(d.token_ids)
+    if d.logprobs:
+        entries = [
+            {"token": token_text(lp.token_id), "logprob": lp.logprob,
+             "top": [(token_text(t), v) for t, v in lp.top]}
+            for lp in d.logprobs
+        ]  # fmt: skip
+        sample["logprobs"] = (sample["logprobs"] or []) + entries
+    if d.finish_reason is not None:
+        sample["finish_reason"], sample["error"] = d.finish_reason, d.error
 
 
 class Pacer:

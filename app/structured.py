@@ -2,7 +2,7 @@
 
 What is checked here is the shape of the request fields: their types, exactly one constraint,
 function names, conflicts between options. Whether a schema, regex or grammar can be compiled is the
-engine's to say (engine/admission.check raises InvalidRequestError naming `StructuredOutput.field`).
+engine's to say (engine/sched/admission.check raises InvalidRequestError naming `StructuredOutput.field`).
 Every error here is an InvalidRequestError naming the offending field; app/errors.py answers errors
 of these fields with 400.
 

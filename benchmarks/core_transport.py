@@ -1,8 +1,8 @@
-"""What one engine step's message costs on the engine core <-> replica socket (engine/core.py).
+"""What one engine step's message costs on the engine core <-> replica socket (engine/core/process.py).
 
     python -m benchmarks.core_transport --out benchmarks/reports/core_transport
 
-The core sends a Step(records, stats) (engine/core_messages.py) once per step through
+The core sends a Step(records, stats) (engine/core/messages.py) once per step through
 multiprocessing.connection over a Unix socketpair (pickle protocol 5); the replica's reader thread
 receives it. This times, per message of N
 decode records (one token each, as in a decode step of N sequences): the core's pickling, its send,
@@ -20,14 +20,16 @@ import time
 from pathlib import Path
 
 from benchmarks.common import environment, write_report
-from engine.core_messages import Step
+from engine.core.messages import Record, Records, Sample, Step
 
 REPEATS = 3000
 
 
 def step_message(n: int) -> Step:
-    sample = (0, [12345], [1], None, None, None, False)
-    return Step([(f"cmpl-{i:032x}-0", [sample], False, 0, None, None) for i in range(n)], None)
+    """A decode step's message: one new token for each of n requests (each its own lists, as a real
+    step's are: pickle writes a shared object once)."""
+    records = [Record(f"cmpl-{i:032x}-0", [Sample(0, [12345], [1])]) for i in range(n)]
+    return Step(Records.of(records), None)
 
 
 def _receiver(conn, repeats: int, out) -> None:

@@ -49,7 +49,7 @@ def main() -> None:
     from engine import LLM
 
     if args.no_grammar_warm_up:
-        import engine.structured
+        import engine.structured.compiler
 
         engine.structured.warm_up = lambda *_: None
     batches = [int(b) for b in args.batches.split(",")]

@@ -11,7 +11,7 @@
     the engine; sampling at the same temperature. Timed from the first add to the last result, after
     the manager's own warm-up.
 
-    python -m benchmarks.hf_baseline [--smoke]   # = python -m benchmarks.bench --suite hf-a,hf-c
+    python -m benchmarks.bench --suite hf-a,hf-c [--smoke]   # this module has no entry point of its own
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from __future__ import annotations
 import inspect
 import random
 import statistics
-import sys
 import time
 
 from tqdm import tqdm
@@ -193,9 +192,3 @@ def run_hf_job(path: str, figures: list[str], args, cost: ModelCost, device_caps
     if "c" in figures:
         out["c"] = {"subset": hf_offline_figure(model, cost, device_caps, args.sizes)}
     return out
-
-
-if __name__ == "__main__":
-    from benchmarks.bench import main
-
-    main(["--suite", "hf-a,hf-c", *sys.argv[1:]])

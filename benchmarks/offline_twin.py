@@ -170,7 +170,7 @@ def _torch_threads() -> int:
 def _default_options() -> dict:
     import torch
 
-    from benchmarks.serve_overhead import engine_options
+    from benchmarks.serve_stack import engine_options
 
     return engine_options("cuda" if torch.cuda.is_available() else "cpu")
 

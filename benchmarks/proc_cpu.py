@@ -11,7 +11,7 @@ keeps what it used up to its last sample; one born inside the window counts from
 seconds / wall seconds x 100 (100 = one core busy).
 
 Roles (`classify`, on the command line joined with psutil's name(), since Ray retitles its workers as
-e.g. `ray::ServeReplica:minserve:EngineDeployment`): "engine core" (`engine.core` in the command line:
+e.g. `ray::ServeReplica:minserve:EngineDeployment`): "engine core" (`engine.core.process` in the command line:
 the engine replica's `python -m engine.core` child), "replica" (ServeReplica + EngineDeployment),
 "ingress" (ServeReplica + Ingress), "proxy" (ProxyActor), "controller" (ServeController), "client"
 (the root processes given as clients and their children, or `benchmarks.serve_client`), "other ray"
@@ -33,7 +33,7 @@ _OTHER_RAY = ("ray::", "/ray/", "raylet", "gcs_server", "dashboard", "log_monito
 
 def classify(text: str) -> str:
     """The role of one process from its command line (and name) alone."""
-    if "engine.core" in text:
+    if "engine.core.process" in text:
         return "engine core"
     if "ServeReplica" in text and "EngineDeployment" in text:
         return "replica"

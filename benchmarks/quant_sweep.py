@@ -1,5 +1,5 @@
 """Tile-config sweep of the quantised linear kernels on one GPU: which fixed config each projection
-shape should get (kernels/triton_qgemv.py, kernels/triton_qgemm.py take theirs from module constants,
+shape should get (kernels/triton_qgemv_tiles.py, kernels/triton_qgemm.py take theirs from module constants,
 which this patches one variant at a time). A tuning tool: its table informs the constants, the report
 of record is benchmarks/quant_bench.py's.
 
@@ -27,7 +27,7 @@ W8A8 = ("qgemv", "int8-channel", "int8_token")
 GEMV = [
     ("gemv bf16", {}, "gemv", "bf16", None),
     ("qgemv fp8 default", {}, "qgemv", "fp8-channel", None),
-    ("qgemv fp8 short 1024x8 s3", {"qv.SHORT_ROWS": (1024, 3, 8, 4)}, "qgemv", "fp8-channel", None),
+    ("qgemv fp8 short 1024x8 s3", {"qt.SHORT_ROWS": (1024, 3, 8, 4)}, "qgemv", "fp8-channel", None),
     ("qgemv fp8-block default", {}, "qgemv", "fp8-block", None),
     ("qgemv int8 default", {}, "qgemv", "int8-channel", None),
     ("qgemv int8 triton-lowered", {"qv.PRMT_INT8": False}, "qgemv", "int8-channel", None),
@@ -36,8 +36,8 @@ GEMV = [
     ("qgemv int8 w8a8 dp4a, wide 16x1024 s3", {"w8.WIDE": (16, 1024, 3, 8)}, *W8A8),
     ("qgemv int8 w8a8 dp4a, wide 16x2048 w4", {"w8.WIDE": (16, 2048, 2, 4)}, *W8A8),
     ("qgemv int8 w8a8 dp4a, wide up to 8/SM", {"w8.MAX_WIDE_PROGRAMS_PER_SM": 8}, *W8A8),
-    ("qgemv int8 w8a8 dp4a, long 16x2048", {"qv.LONG_ROWS": (2048, 3, 16, 8)}, *W8A8),
-    ("qgemv int8 w8a8 dp4a, long 8x1024 s4", {"qv.LONG_ROWS": (1024, 4, 8, 8)}, *W8A8),
+    ("qgemv int8 w8a8 dp4a, long 16x2048", {"qt.LONG_ROWS": (2048, 3, 16, 8)}, *W8A8),
+    ("qgemv int8 w8a8 dp4a, long 8x1024 s4", {"qt.LONG_ROWS": (1024, 4, 8, 8)}, *W8A8),
 ]
 # M = 64
 GEMM = [
@@ -75,11 +75,13 @@ def patched(patches: dict):
         triton_norm,
         triton_qgemm,
         triton_qgemv,
+        triton_qgemv_tiles,
         triton_qgemv_w8a8,
     )
 
     mods = {
         "qv": triton_qgemv,
+        "qt": triton_qgemv_tiles,
         "qm": triton_qgemm,
         "w8": triton_qgemv_w8a8,
         "tg": triton_gemv,

@@ -143,7 +143,7 @@ def measure(label: str, spec: dict | None, alphas, args, batches: list[int]) -> 
     for alpha_label, alpha, cut_off in alphas:
         if spec is not None:
             eng = llm.engine
-            eng.runner.spec_sampler.synthetic = alpha
+            eng.runner.spec.verifier.synthetic = alpha
             rate = eng.config.speculative.disable_below_acceptance if cut_off else 0.0
             eng.speculator.config = dataclasses.replace(eng.speculator.config, disable_below_acceptance=rate)
         for batch in batches:

@@ -33,33 +33,40 @@ PROMPT = 128
 
 
 def phases() -> list[tuple[object, str]]:
-    from engine import (
-        grammar_process,
-        grammar_remote,
-        grammar_state,
-        llm_engine,
-        model_runner,
-        sampler,
-        scheduler,
-        token_sink,
-        uploader,
-    )
+    from engine import llm_engine
+    from engine.device import uploader
+    from engine.output import sink as token_sink
+    from engine.runner import in_flight, plain_draw
+    from engine.sampling import sampler
+    from engine.sched import scheduler
+    from engine.structured import process as grammar_process
+    from engine.structured import remote as grammar_remote
+    from engine.structured import state as grammar_state
     from kernels import ops
 
-    eng, sink = llm_engine.LLMEngine, token_sink.TokenSink
+    eng, sink, step = llm_engine.LLMEngine, token_sink.TokenSink, in_flight.InFlightStep
     return [
-        (eng, "_step"), (scheduler.Scheduler, "schedule_ahead"), (eng, "_finish_draw"),
-        (eng, "_launch_next"), (sink, "receive"), (sink, "complete"), (eng, "_start_draw"), (sink, "emit"),
-        (ops, "apply_token_bitmask"), (ops, "argmax"),
-        (grammar_state.BitmaskFiller, "_fill_rows"), (grammar_state.BitmaskFiller, "_run"),
+        (eng, "_step"), (scheduler.Scheduler, "schedule_ahead"), (step, "finish"),
+        (eng, "_launch_next"), (sink, "receive"), (sink, "complete"), (step, "start"), (sink, "emit"),
+        (ops, "apply_token_bitmask"), (ops, "argmax"), (grammar_state.BitmaskFiller, "_run"),
         (grammar_state.BitmaskFiller, "_plan"), (grammar_state.BitmaskFiller, "_device_rows"),
         (grammar_state.GrammarState, "advance"), (sampler.Sampler, "draw"),
         (grammar_remote.ProcessBitmaskFiller, "start"), (grammar_process.GrammarProcess, "submit"),
         (grammar_process.GrammarProcess, "wait"), (grammar_process.Channel, "recv"),
-        (grammar_process.Channel, "send"), (model_runner.ModelRunner, "_sample"),
+        (grammar_process.Channel, "send"), (plain_draw.PlainDraw, "sample"),
         (sampler.PendingSample, "resolve"), (sampler.PendingSample, "__init__"),
         (sampler.Sampler, "__call__"), (uploader.Uploader, "values"),
     ]  # fmt: skip
+
+
+def checked_phases() -> list[tuple[object, str]]:
+    """phases(), each of which must exist: a renamed or removed method is an error, never a silently
+    missing row of the report."""
+    found = phases()
+    missing = [f"{cls.__name__}.{name}" for cls, name in found if not hasattr(cls, name)]
+    if missing:
+        raise AttributeError(f"step_phases.phases() names methods that do not exist: {', '.join(missing)}")
+    return found
 
 
 class PhaseTimer:
@@ -149,9 +156,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--fill-threads", type=int, default=None, help="override grammar_state.FILL_THREADS")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
+    to_time = checked_phases()  # before the model loads: a stale name fails at once
     ensure_llguidance()
     if args.fill_threads is not None:
-        from engine import grammar_state
+        from engine.structured import state as grammar_state
 
         grammar_state.FILL_THREADS = args.fill_threads  # read when the filler's pool is made
     import torch
@@ -164,11 +172,11 @@ def main(argv: list[str] | None = None) -> None:
     path = checkpoint(args.model, args.ckpt_dir, args.tokenizer) if "/" not in args.model else args.model
     llm = LLM(str(path), **opts)
     timer, rng = PhaseTimer(), random.Random(0)
-    for cls, name in phases():
-        if hasattr(cls, name):  # an older tree may lack a phase (comparing two trees)
-            timer.wrap(cls, name)
+    for cls, name in to_time:
+        timer.wrap(cls, name)
     vocab, modes = llm.engine.runner.model_config.vocab_size, []
-    from engine import grammar_remote, grammar_state
+    from engine.structured import remote as grammar_remote
+    from engine.structured import state as grammar_state
 
     default_interval = grammar_state.HANDOFF_SWITCH_INTERVAL_S
     runner = llm.engine.runner

@@ -143,7 +143,7 @@ def decode_table(llm, batches: list[int], constraints: list[str], size: dict) ->
 
 def compile_times(llm) -> dict:
     from engine.sampling_params import StructuredOutput
-    from engine.structured import GrammarCompiler
+    from engine.structured.compiler import GrammarCompiler
 
     compiler = GrammarCompiler(llm.engine.tokenizer, llm.engine.limits.vocab_size)
     cases = [StructuredOutput("json", s) for s in SCHEMAS[:20]]
@@ -181,7 +181,7 @@ def ttft(llm, size: dict) -> dict:
     vocab = engine.runner.model_config.vocab_size
     step_ways = {
         "offline": lambda: any(d.token_ids for o in engine.step() for d in o.outputs),
-        "served": lambda: any(r[1] for r in engine.step_records()),
+        "served": lambda: any(engine.step_records().token_ids),
     }
     labels = (("unconstrained", None), ("constrained_cached", structured("json-array")))
 

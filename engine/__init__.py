@@ -26,7 +26,7 @@ def __getattr__(name: str):
 
         return Tokenizer
     if name == "prompt_block_hashes":  # a prompt's prefix-cache key, for request routers
-        from engine.block_manager import prompt_block_hashes
+        from engine.sched.block_manager import prompt_block_hashes
 
         return prompt_block_hashes
     raise AttributeError(name)

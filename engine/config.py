@@ -1,7 +1,7 @@
 """Engine configuration: one validated dataclass per component, built once.
 
 Values discovered at run time (the number of KV blocks that fit) live in `KVCacheSpec`
-(engine/kv_cache.py), never in these configs.
+(engine/runner/kv_cache.py), never in these configs.
 """
 
 from __future__ import annotations
@@ -90,9 +90,11 @@ class EngineConfig:
     load: ModelLoadConfig
     scheduler: SchedulerConfig = SchedulerConfig()
     cache: CacheConfig = CacheConfig()
-    fault_injection: bool = False  # test-only hooks (engine/faults.py); never enable in production
-    speculative: SpeculativeConfig | None = None  # speculative decoding (engine/speculator.py); None: off
-    # structured output's matchers in a process of their own (engine/grammar_process.py), so a
+    fault_injection: bool = False  # test-only hooks (engine/core/faults.py); never enable in production
+    speculative: SpeculativeConfig | None = (
+        None  # speculative decoding (engine/spec/speculator.py); None: off
+    )
+    # structured output's matchers in a process of their own (engine/structured/process.py), so a
     # host-bound loop pays no GIL hand-offs for them; False: on a thread of the engine's process
     grammar_process: bool = True
 

@@ -1,6 +1,6 @@
-"""The server's side of the engine core process (engine/core.py): start it, feed it, read it.
+"""The server's side of the engine core process (engine/core/process.py): start it, feed it, read it.
 
-    client = CoreClient(config, on_step)       # starts `python -m engine.core`, waits until the model is up
+    client = CoreClient(config, on_step)       # starts `python -m engine.core.process`, waits for the model
     rid = client.submit(prompt, params)         # any thread; validation errors are raised here
     client.abort(rid)                           # the request ends now: no further outputs
     ...on_step(outputs) is called once per engine step, on the client's reader thread
@@ -10,13 +10,13 @@ as one message. With autoflush (the default) every call flushes; a server passes
 calls `flush` once per turn of its event loop, so what arrived in that turn travels together.
 
 The core answers with one message per step holding every request's new token ids; the reader thread
-turns them into text here (engine/text_output.TextStream: detokenization and stop strings, which go
+turns them into text here (engine/output/text.TextStream: detokenization and stop strings, which go
 back to the core as StopSample), builds the RequestOutputs and hands the whole step's list to
 `on_step` in one call.
 
 Transport: multiprocessing.connection over a Unix socketpair with pickled messages
-(engine/core_messages.py; stdlib, no extra dependency). A step message of 256 decode records is 14 KB
-and costs the core ~55 us to send (2-core CPU box): benchmarks/reports/core_transport.md.
+(engine/core/messages.py; stdlib, no extra dependency). A step message grows by a few dozen bytes per
+record; what it costs the core to send: `python -m benchmarks.core_transport` (benchmarks/reports/).
 Every request gets exactly one final output (finished=True), unless it was aborted by the caller:
 also when it fails, or when the core dies (the error says why).
 """
@@ -35,15 +35,28 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from engine import admission, structured
-from engine.admission import Prompt
 from engine.config import EngineConfig
-from engine.core_messages import Abort, Add, Command, Dead, Failed, Idle, Shutdown, Start, Step, StopSample
+from engine.core.faults import FaultInjector
+from engine.core.live_request import LiveRequest
+from engine.core.messages import (
+    Abort,
+    Add,
+    Command,
+    Dead,
+    Failed,
+    Idle,
+    Records,
+    Shutdown,
+    Start,
+    Step,
+    StopSample,
+)
 from engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
-from engine.faults import FaultInjector
-from engine.live_request import LiveRequest
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.sched import admission
+from engine.sched.admission import Prompt
+from engine.structured import compiler as structured
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger("engine")
@@ -78,7 +91,7 @@ class CoreClient:
     # ------------------------------------------------------------------ starting the core
     def _start(self, config: EngineConfig, null_step_ms: float | None):
         """Spawn the core from a keeper thread that then waits on it for the core's whole life: the
-        core's death signal is tied to the thread that started it (engine/core.py). The reader thread,
+        core's death signal is tied to the thread that started it (engine/core/process.py). The reader thread,
         not the keeper, reports the core's end: it sees EOF only after the core's last message."""
         ours, theirs = socket.socketpair()
         started: list = []
@@ -89,7 +102,7 @@ class CoreClient:
                 **os.environ,
                 "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
             }
-            cmd = [sys.executable, "-m", "engine.core", str(theirs.fileno()), str(os.getpid())]
+            cmd = [sys.executable, "-m", "engine.core.process", str(theirs.fileno()), str(os.getpid())]
             try:
                 started.append(subprocess.Popen(cmd, pass_fds=[theirs.fileno()], env=env, cwd=ROOT))
             except BaseException as exc:
@@ -150,7 +163,7 @@ class CoreClient:
 
     def prefix_summary(self) -> tuple[int, list[int]]:
         """(stride, hashes) of the core's prefix cache, at most about a second old
-        (engine/block_manager.BlockManager.prefix_summary)."""
+        (engine/sched/block_manager.BlockManager.prefix_summary)."""
         return self._prefix_summary
 
     def audit(self) -> list[str]:
@@ -205,10 +218,10 @@ class CoreClient:
             self._prefix_summary = summary
         self._stats = stats
 
-    def _outputs(self, records: list) -> list[RequestOutput]:
+    def _outputs(self, records: Records) -> list[RequestOutput]:
         now = time.time()
         outputs, stops = [], []
-        for rid, samples, finished, cached, final_metrics, prompt_logprobs in records:
+        for rid, samples, finished, cached, final_metrics, prompt_logprobs in records.unpacked():
             live = self._live.get(rid)
             if live is None:
                 continue  # aborted by the caller, or already ended here (stop string, failure)

@@ -69,7 +69,7 @@ class LLM:
         results: dict[str, GenerationResult] = {}
         for prompt, p in zip(prompts, params, strict=True):
             rid = self.engine.add_request(prompt, p)
-            ids = self.engine.requests[rid].prompt_ids
+            ids = self.engine.state.requests[rid].prompt_ids
             results[rid] = GenerationResult(rid, ids, [CompletionOutput(i) for i in range(p.n)])
         bar = tqdm(total=len(results), disable=not use_tqdm, desc="generate")
         while self.engine.has_unfinished():

@@ -66,7 +66,7 @@ class Engine:
                     masks.append(mask)
                 yield column, masks
         finally:
-            if rid in self.engine.requests:
+            if rid in self.engine.state.requests:
                 self.engine.abort(rid)
 
     def _step(self, rid: str, queues: list[deque], done: list[bool]) -> None:

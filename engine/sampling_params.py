@@ -50,7 +50,7 @@ class StructuredOutput:
 
     # "json" (spec: a JSON schema, dict or JSON string), "json_object" (spec None: any JSON object),
     # "regex" (spec: str), "choice" (spec: list[str]), "grammar" (spec: str, Lark syntax as llguidance
-    # takes it). Checked and compiled by engine/structured.py (from engine.admission.check).
+    # takes it). Checked and compiled by engine/structured/compiler.py (from engine.sched.admission.check).
     kind: str
     spec: object = None
     field: str = "structured_outputs"  # the API field errors are reported against
@@ -79,7 +79,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     tool: ToolConfig | None = None
     budget_forcing: BudgetForcing | None = None
-    # grammar-constrained decoding (engine/structured.py, engine/grammar_state.py); None: free text
+    # grammar-constrained decoding (engine/structured/compiler.py and state.py); None: free text
     structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
@@ -87,6 +87,18 @@ class SamplingParams:
             self.stop = [self.stop]
         if self.top_k == -1:
             self.top_k = 0
+        self._check_counts_and_knobs()
+        self._check_logprobs()
+        self.logit_bias = _logit_bias(self.logit_bias)
+        self._check_stop_strings()
+        _check(
+            self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
+            "seed",
+            "must be an integer in [0, 2**63)",
+        )
+
+    def _check_counts_and_knobs(self) -> None:
+        """n, max_tokens and the float sampling knobs: finite and in range."""
         _check(isinstance(self.n, int) and 1 <= self.n <= MAX_N, "n", f"must be an integer in [1, {MAX_N}]")
         # 0: score the prompt only (prefill, then finish by length with no completion tokens)
         _check(isinstance(self.max_tokens, int) and self.max_tokens >= 0, "max_tokens", "must be >= 0")
@@ -106,6 +118,8 @@ class SamplingParams:
         _check(0.0 < self.repetition_penalty <= 10.0, "repetition_penalty", "must be in (0, 10]")
         _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]")
         _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]")
+
+    def _check_logprobs(self) -> None:
         _check(
             self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS,
             "logprobs",
@@ -117,7 +131,8 @@ class SamplingParams:
             "prompt_logprobs",
             f"must be in [0, {MAX_TOP_LOGPROBS}]",
         )
-        self.logit_bias = _logit_bias(self.logit_bias)
+
+    def _check_stop_strings(self) -> None:
         _check(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} stop strings")
         for s in self.stop:
             _check(
@@ -125,11 +140,6 @@ class SamplingParams:
                 "stop",
                 f"each stop string must be 1..{MAX_STOP_STRING_LEN} characters",
             )
-        _check(
-            self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
-            "seed",
-            "must be an integer in [0, 2**63)",
-        )
 
     @property
     def greedy(self) -> bool:
@@ -146,7 +156,7 @@ class SamplingParams:
     def draws_from_history(self) -> bool:
         """True when the draw reads the host's token history (penalties; a grammar reads its matcher):
         in a step launched ahead, such a row draws only once the previous step's tokens are appended
-        (engine/model_runner.DeferredSample)."""
+        (engine/runner/model_runner.DeferredSample)."""
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 

@@ -6,7 +6,7 @@ construction: 1 <= num_speculative_tokens <= 16; the n-gram proposer has
 checkpoint directory. dtype / device None mean "follow the target model". Nothing here loads a model:
 `check_draft_vocab` is for the loader, once both vocabularies are known.
 
-When speculation stops for a sequence (engine/speculator.py): after `acceptance_window` proposed
+When speculation stops for a sequence (engine/spec/speculator.py): after `acceptance_window` proposed
 tokens its acceptance rate is below `disable_below_acceptance` (it decodes plainly from then on), or
 more than `disable_by_batch_size` sequences are running (it speculates again once fewer are).
 `synthetic_acceptance_rate` is for benchmarks only: each proposed token is accepted with that

@@ -2,7 +2,7 @@
 
 transformers is used here only to read tokenizer files (tokenizer.json & co); chat templates are
 rendered by engine/chat_template.py. Decoding never applies clean_up_tokenization_spaces, so that the
-streamed text (engine/detokenizer.py) always equals one decode of all the ids.
+streamed text (engine/output/detokenizer.py) always equals one decode of all the ids.
 """
 
 from __future__ import annotations

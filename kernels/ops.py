@@ -292,7 +292,7 @@ def apply_token_bitmask(
     logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None = None
 ) -> None:
     """In place: -inf at the tokens whose bit is 0 in bitmask[i], for logits row rows[i] (rows None:
-    row i). Grammar-constrained decoding (engine/grammar_state.py fills the bitmask)."""
+    row i). Grammar-constrained decoding (engine/structured/state.py fills the bitmask)."""
     if use_triton(logits) and logits.stride(-1) == 1:
         from kernels import triton_bitmask
 

@@ -120,7 +120,7 @@ def attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:
-    """Causal GQA attention for a packed batch (see engine.attention_context for the layout).
+    """Causal GQA attention for a packed batch (see engine.models.attention_context for the layout).
 
     q: [T, Hq, D]; k, v: [T, Hk, D] (this step's keys, already stored in the cache when there is one;
     attention then reads them back from the cache, so an fp8 cache's rounding applies to them too).

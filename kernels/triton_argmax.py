@@ -3,13 +3,13 @@ index on ties) or of Gumbel-perturbed logits (sampling; twin: kernels.torch_ops.
 
 Greedy decoding takes one argmax per step over a vocabulary of 128k-256k. torch.argmax gives each row
 to one thread block, and a two-stage torch version costs five small launches; either is a visible
-share of a 0.8 ms batch-1 step. Here grid (row, chunk) spreads each row over the chip: a program finds
+share of a small model's batch-1 step. Here grid (row, chunk) spreads each row over the chip: a program finds
 the first maximum of its BLOCK logits and stores (value, index) as a partial, then counts itself in at
 the row's arrival counter (kernels.arrivals); the row's last program picks the first chunk holding the
 largest partial, so ties resolve to the lowest index whichever program arrives last.
 NaN logits give an unspecified id (torch would return the NaN's index).
 
-A grammar's token bitmask (engine/grammar_state.py) can be applied as the logits load: a refused token
+A grammar's token bitmask (engine/structured/state.py) can be applied as the logits load: a refused token
 reads as -inf, so a constrained draw needs no separate masking pass over the logits (nor its launch).
 
 Sampling is the same pass with noise added as the logits load: argmax(x / T + G) with G ~ Gumbel(0, 1)

@@ -36,7 +36,7 @@ from kernels.triton_attn_common import dot_dtype_for, load_paged_rows, online_so
 MAX_SPLITS = 64  # more splits than tiles of a 1k-token context never pay for their merge
 PROGRAMS_PER_SM = 4  # enough resident CTAs to keep HBM busy while each waits on its loads
 MERGE_TILE = 8192  # fp32 partial-output values the merging program loads at once ([G, S, D] tile)
-MIN_SPLITS = 3  # below this many, one split: at batch 64 x 8 KV heads unsplit measured faster (H200)
+MIN_SPLITS = 3  # below this many, one split: two splits gain less than their merge costs
 INTERPRETER_SMS = 2  # stand-in SM count under TRITON_INTERPRET (CPU tensors): still yields splits
 RELEASE_FIRST = True  # o_proj launches before the wait: its weight loads overlap the kernel before (pdl)
 
@@ -156,9 +156,8 @@ def choose_num_splits(
     """Splits per (seq, kv head) so that batch * Hk * splits ~ PROGRAMS_PER_SM * SMs; shapes only.
 
     Capped by the most BLOCK_N tiles a sequence can have (block-table width or window) and MAX_SPLITS;
-    fewer than MIN_SPLITS means 1: two splits gain less than their merge costs (batch 64 x 8 KV heads
-    of Llama-3.1-8B at 1k context on an H200: 81 us unsplit, 88 us in two splits even with the merge
-    folded in).
+    fewer than MIN_SPLITS means 1: two splits gain less than their merge costs, even with the merge
+    folded in (docs/performance.md, ideas tried: two attention splits at batch 64).
     """
     span = max_blocks * block_size
     if sliding_window:
@@ -173,10 +172,9 @@ def decode_config(head_dim: int, fp8_cache: bool = False) -> tuple[int, int, int
     compiles.
 
     An fp8 cache takes 2-warp programs with 5 stages. Its tiles reach the MMA through 8-bit shared
-    loads and conversions, a long chain per tile, so the kernel is bound by latency: at (b)'s shape one
-    wave of 4-warp programs kept 12% of the SM's warps active (Nsight Compute) and ran 70.4 us. With 2
-    warps and 5 stages it runs 48.6 us, 110 against 147 at batch 256 x 600 tokens, and 7.6 against 6.6
-    at batch 1 (H200, 20 calls in a CUDA graph; README, "FP8 KV cache")."""
+    loads and conversions, a long chain per tile, so the kernel is bound by latency: a wave of 4-warp
+    programs keeps few of the SM's warps active, and smaller programs with a deeper pipeline hide more
+    of each tile's latency (the configs tried: docs/performance.md, ideas tried)."""
     if head_dim > 128:
         return 32, 4, 2
     return (64, 2, 5) if fp8_cache else (64, 4, 3)

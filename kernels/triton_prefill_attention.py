@@ -99,11 +99,10 @@ def prefill_config(
     """(BLOCK_M, BLOCK_N, num_warps, num_stages), fixed per head_dim, cache type and, for at most SHORT_Q
     queries per sequence, the query length (no autotune).
 
-    An fp8 cache takes 64-row tiles on 4 warps: a 512-token chunk after 1,536 cached tokens (8 sequences,
-    16 / 8 heads, H200) ran 306 us against 474 with the bf16 config (bf16 cache: 337). A few queries per
-    sequence (speculative verification: k + 1) take one 16-row tile on 4 warps: a 128-row tile would be
-    almost all padding, computed for every key (verify k=4, batch 64, 8B shape, H200: the kernel took
-    5.0 ms of a 12.9 ms step with 128-row tiles, 1.4 ms with 16)."""
+    An fp8 cache takes 64-row tiles on 4 warps, which run a chunk after a long cached prefix well ahead
+    of the bf16 config. A few queries per sequence (speculative verification: k + 1) take one 16-row
+    tile on 4 warps: a 128-row tile would be almost all padding, computed for every key. Both were
+    measured (docs/performance.md, ideas tried)."""
     bm, bn, num_warps, num_stages = _tile_config(head_dim, fp8_cache)
     if max_seqlen_q is not None and max_seqlen_q <= SHORT_Q:
         return 16, bn, 4, num_stages

@@ -244,10 +244,9 @@ def qgemm_config(m: int, n: int, k: int, sm_count: int) -> tuple[int, int, int, 
     """(BLOCK_M, BLOCK_N, num_warps, num_stages, split) for M rows: the bucket's tiles, BLOCK_N halved
     (down to MIN_BLOCK_N) while the grid has fewer programs than SMs, then K split (in powers of two)
     while the grid has fewer than SPLIT_PROGRAMS_PER_SM programs per SM, each split keeps at least
-    MIN_SPLIT_K_TILES tiles of K and the partial sums stay small against the weights (measured on an
-    H200, benchmarks/reports/gpu/quant_sweep_8b_h200.md: at M = 64, splitting down_proj in 4 took it
-    from 49 to 36 us; splitting gate_up_proj in 2 took it from 38 to 49 us, its partials an eighth of
-    its weight bytes)."""
+    MIN_SPLIT_K_TILES tiles of K and the partial sums stay small against the weights: a split pays on a
+    narrow projection with long rows (down_proj) and loses where its fp32 partials approach an eighth
+    of the weight bytes (gate_up_proj; benchmarks/reports/gpu/quant_sweep_8b_h200.md)."""
     _, block_m, block_n, warps, stages = next(c for c in CONFIGS if m <= c[0])
     while block_n > MIN_BLOCK_N and triton.cdiv(m, block_m) * triton.cdiv(n, block_n) < sm_count:
         block_n //= 2

@@ -15,8 +15,8 @@ The design is kernels/triton_gemv.py's, fed half the bytes per element:
     the float magic-number trick (q + 128, i.e. the byte with its sign bit flipped, under the exponent
     of 2^23 reads as 2^23 + 128 + q; subtracting that gives q exactly), where I2F would run at a
     quarter of the FMA rate. Compiled, it is inline PTX on four packed bytes: one XOR, then one PRMT
-    and one FADD per weight. Triton's own lowering of the same ops spent ~3.4 integer instructions
-    per weight and left int8 at 46-66% of the HBM peak (now 56-80%, quant_sweep_b1_h200.md);
+    and one FADD per weight. Triton's own lowering of the same ops spends several integer
+    instructions per weight, which left int8 further from the HBM peak (quant_sweep_b1_h200.md);
   * each tile's products are summed in registers right away, per 16 columns ("channel": the thread's
     own 16-byte vector, adds only) or per 128 ("block": one scale block, plus three shuffles, then times
     scale[row_block[n], kb]), into a small fp32 accumulator. Keeping one fp32 per product instead (the
@@ -29,8 +29,8 @@ The design is kernels/triton_gemv.py's, fed half the bytes per element:
   * gate|up (qgemv_gated): a tile's rows pair gate row j with up row I + j, and the epilogue writes
     act(gate) * up from the fp32 sums. The activation kernel and its launch between gate|up and
     down_proj go away; the grid and tiles are those of the plain [2I, K] GEMV.
-Configs are fixed per shape (qgemv_config, no autotune), so a warm-up call compiles every variant before
-CUDA-graph capture. Twin: kernels.torch_ops.quant_linear with act_quant None.
+Configs are fixed per shape (kernels/triton_qgemv_tiles.py, no autotune), so a warm-up call compiles
+every variant before CUDA-graph capture. Twin: kernels.torch_ops.quant_linear with act_quant None.
 """
 
 from __future__ import annotations
@@ -43,15 +43,9 @@ from kernels.pdl import enabled as pdl_enabled
 from kernels.pdl import interpreting as pdl_interpreting
 from kernels.pdl import wait_for_inputs
 from kernels.triton_act import gated_pair_rows, store_gated
-from kernels.triton_gemv import LONG_K, MIN_PROGRAMS_PER_SM, _sm_count
+from kernels.triton_gemv import _sm_count
+from kernels.triton_qgemv_tiles import SCALE_BLOCK, qgemv_config
 
-# (BLOCK_K, num_stages, MAX_BLOCK_N, num_warps): 2 KiB of up to 8 rows per tile; long rows (K >= LONG_K,
-# down_proj of an 8B model) over 8 warps, 3 tiles deep. Chosen by benchmarks/quant_sweep.py on an H200
-# (benchmarks/reports/gpu/quant_sweep_8b_h200.md): 4 rows a tile left o_proj at 51% of the HBM peak
-# (now 61%), 1 KiB x 16 rows left down_proj at 69% (now 79%).
-SHORT_ROWS = (2048, 2, 8, 4)
-LONG_ROWS = (2048, 3, 8, 8)
-SCALE_BLOCK = 128  # the block scheme's square block edge
 MAX_PREFETCH_BYTES = 8192  # a W tile this small is fetched two deep before the PDL wait
 PRMT_INT8 = True  # int8 weights converted four at a time by inline PTX (never under the interpreter)
 WEIGHT_DTYPES = (torch.float8_e4m3fn, torch.int8)
@@ -178,17 +172,6 @@ def _qgemv_kernel(
         store_gated(out_ptr, y, N, BLOCK_N, GELU_TANH)
     else:
         tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=rows < N)
-
-
-def qgemv_config(n: int, k: int, sm_count: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_stages, num_warps) from the shape: BLOCK_K shrinks to K's power of two
-    (at least 128, so a tile holds whole scale blocks); BLOCK_N is the largest power of two <= the
-    config's MAX_BLOCK_N that still gives MIN_PROGRAMS_PER_SM programs per SM (or 1)."""
-    block_k, stages, block_n, warps = LONG_ROWS if k >= LONG_K else SHORT_ROWS
-    block_k = min(block_k, max(SCALE_BLOCK, triton.next_power_of_2(k)))
-    while block_n > 1 and triton.cdiv(n, block_n) < MIN_PROGRAMS_PER_SM * sm_count:
-        block_n //= 2
-    return block_n, block_k, stages, warps
 
 
 def reads_act_amax(qweight: torch.Tensor, scheme: str, act_quant: str | None) -> bool:

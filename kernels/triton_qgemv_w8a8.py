@@ -33,7 +33,7 @@ import triton.language as tl
 from kernels.pdl import enabled as pdl_enabled
 from kernels.pdl import interpreting, wait_for_inputs
 from kernels.triton_gemv import LONG_K, _sm_count
-from kernels.triton_qgemv import qgemv_config
+from kernels.triton_qgemv_tiles import qgemv_config
 
 QMAX = tl.constexpr(127.0)
 SCALE_MIN = tl.constexpr(1e-12)  # kernels.torch_ops.ACT_SCALE_MIN
@@ -127,8 +127,8 @@ def _w8a8_gemv_kernel(
 def w8a8_config(n: int, k: int, sm_count: int) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_stages, num_warps): short rows (K < LONG_K) take 16 rows over 8 warps while
     that grid stays within MAX_WIDE_PROGRAMS_PER_SM programs per SM, else the float GEMV's config.
-    Measured on an H200 (benchmarks/reports/gpu/quant_sweep_b1_w8a8_h200.md), 8B shape: q|k|v 8.8 ->
-    8.4 us, o 6.2 -> 5.7 us; gate_up (1,792 programs of 16 rows) went the other way, 28.9 -> 29.4 us."""
+    The wide tiles pay on the short projections (q|k|v, o) and not past that grid size, where gate_up
+    already has programs to spare (benchmarks/reports/gpu/quant_sweep_b1_w8a8_h200.md)."""
     block_k = min(WIDE[1], max(128, triton.next_power_of_2(k)))
     if k < LONG_K and triton.cdiv(n, WIDE[0]) <= MAX_WIDE_PROGRAMS_PER_SM * sm_count:
         return WIDE[0], block_k, WIDE[2], WIDE[3]

@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from engine.model_config import ModelConfig
+from engine.models.config import ModelConfig
 from engine.models.layers import LinearFactory, RotaryEmbedding
 from engine.models.llama import LlamaForCausalLM
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention_context import get_context
+from engine.models.attention_context import get_context
 from kernels import ops
 
 

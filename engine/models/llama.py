@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from engine.model_config import ModelConfig
+from engine.models.config import ModelConfig
 from engine.models.layers import (
     Attention,
     DecoderLayer,
@@ -100,7 +100,7 @@ class LlamaForCausalLM(nn.Module):
             return None
         return name
 
-    # ---- config.json hooks (engine/model_config.ConfigFamily) -------------------------------------
+    # ---- config.json hooks (engine/models/config.ConfigFamily) -------------------------------------
     @classmethod
     def text_config(cls, raw: dict) -> tuple[dict, bool]:
         return raw, False

@@ -9,7 +9,7 @@ Storage (shared with the kernels, kernels/ops.quant_linear):
   shard i starting at row s_i whose tiles start at scale row o_i it is o_i + (n - s_i) // 128, so a
   merged q|k|v or gate|up stays right when a shard's size is not a multiple of 128;
 * bias: model dtype, or None.
-Like every parameter here, the loader fills them all (engine/quant_loader.py); nothing is initialised.
+Like every parameter here, the loader fills them all (engine/models/quant_loader.py); nothing is initialised.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from engine.models.layers import LinearFactory
-from engine.quant_config import LinearQuant, QuantConfig
+from engine.models.quant_config import LinearQuant, QuantConfig
 from kernels import ops
 
 

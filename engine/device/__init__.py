@@ -1,0 +1,1 @@
+"""Where tensors live: device and dtype resolution, and host-to-device uploads."""

@@ -1,0 +1,228 @@
+"""The model runner: the only place where scheduled sequences become tensors.
+
+Per step: perform copy-on-write block copies, pack every scheduled chunk's tokens into one flat batch
+(no padding), describe it with AttentionMetadata, run the model, compute logits only at positions that
+sample, and sample every sampling sequence (n > 1 siblings share one logits row; engine/runner/
+plain_draw.py). Prompt chunks of requests with prompt_logprobs also get logits at every position
+(Sampler.score_prompt); a step without such a chunk does no extra work. An engine that speculates
+hands each step's proposals and their verification to a SpecStep (engine/runner/spec_step.py); the
+plain path does not look for them.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+
+from engine.config import EngineConfig
+from engine.device.placement import resolve_device_dtype
+from engine.device.uploader import Uploader
+from engine.models.attention_context import AttentionMetadata, attention_context
+from engine.models.layers import Attention
+from engine.models.loader import load_model
+from engine.runner.cuda_graph import DecodeGraphs, forward_batch
+from engine.runner.draft_runner import DraftRunner
+from engine.runner.kv_cache import KVCacheSpec, allocate_kv_cache, kv_cache_dtype, plan_kv_cache
+from engine.runner.plain_draw import PlainDraw
+from engine.runner.spec_step import SpecStep
+from engine.runner.step_inputs import StepBatch, build_batch, prompt_logprob_rows
+from engine.sampling.sampler import PendingSample, Sampler
+from engine.sched.scheduler import SchedulerOutput
+from engine.spec.sampler import PendingSpec, SpecSampler
+from engine.structured.remote import ProcessBitmaskFiller
+from engine.structured.state import BitmaskFiller
+
+
+class DeferredSample:
+    """The draw of a step launched ahead whose rows read host state (grammar matchers, penalties' token
+    history; SchedulerOutput.draw_late): forward and logits are enqueued. Once the engine has appended
+    the previous step's tokens, `start()` begins the constrained rows' mask fill on a worker thread,
+    and `finish()` joins it and enqueues the sampling; between the two the engine does its other host
+    work. `finish()` alone does both."""
+
+    deferred = True  # see engine/runner/in_flight.Draw
+
+    def __init__(self, start: Callable[[], Callable[[], PendingSample]]):
+        self._start = start
+        self._finish: Callable[[], PendingSample] | None = None
+
+    def start(self) -> None:
+        if self._finish is None:
+            self._finish = self._start()
+
+    def finish(self) -> PendingSample:
+        self.start()
+        return self._finish()
+
+
+class _OfDraw:
+    """A ModelRunner attribute that is its PlainDraw's, read and set there (tests swap the sampler,
+    benchmarks the filler)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, runner: ModelRunner | None, owner: type | None = None) -> object:
+        return self if runner is None else getattr(runner.draw, self.name)
+
+    def __set__(self, runner: ModelRunner, value: object) -> None:
+        setattr(runner.draw, self.name, value)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device, self.dtype = resolve_device_dtype(config.load.device, config.load.dtype)
+        torch.manual_seed(config.load.seed)
+        if self.device.type == "cuda":  # process-wide; an engine replica owns its process and its GPU
+            torch.backends.cuda.preferred_blas_library(config.load.blas_library)
+        self.model, self.model_config = load_model(
+            config.load.model, dtype=self.dtype, device=self.device, quantization=config.load.quantization
+        )
+        max_pos = self.model_config.max_position_embeddings
+        self.max_model_len = min(config.load.max_model_len or min(max_pos, 8192), max_pos)
+        self.block_size = config.cache.block_size
+        self.draft = self._load_draft(config)
+        self._allocate_kv_cache(config)
+        vocab = self.model_config.vocab_size
+        sampler = Sampler(vocab, self.device)
+        bitmasks = (
+            ProcessBitmaskFiller(vocab, self.device, config.scheduler.max_num_seqs)
+            if config.grammar_process
+            else BitmaskFiller(vocab, self.device)
+        )
+        self.upload = Uploader(self.device)
+        # unseeded sequences draw from stream (base, seq_id); the base follows load.seed (set above)
+        self.draw = PlainDraw(sampler, bitmasks, self.upload, int(torch.randint(0, 2**62, (1,)).item()))
+        max_batch = min(config.scheduler.max_num_seqs, 512)
+        self.graphs_by_q = self._capture_graphs(config, max_batch)
+        self.graphs: DecodeGraphs | None = self.graphs_by_q.get(1)
+        self.spec: SpecStep | None = None  # speculative decoding: proposals and their verification
+        if config.speculative is not None:
+            if self.draft is not None:
+                graphs = bool(self.graphs_by_q)
+                self.draft.allocate(self.kv_spec.num_blocks, max_batch, self.max_model_len, graphs)
+            verifier = SpecSampler(sampler, config.speculative.synthetic_acceptance_rate)
+            self.spec = SpecStep(self.draw, verifier, self.draft, self.model.compute_logits, self.upload)
+
+    # the plain draw's sampler and grammar-mask filler (new grammar states come from it)
+    sampler = _OfDraw()
+    bitmasks = _OfDraw()
+
+    def _load_draft(self, config: EngineConfig) -> DraftRunner | None:
+        spec = config.speculative
+        if spec is None or spec.method != "draft_model":
+            return None
+        vocab = self.model_config.vocab_size
+        return DraftRunner(spec, self.device, self.dtype, vocab, self.max_model_len, self.block_size)
+
+    def _allocate_kv_cache(self, config: EngineConfig) -> None:
+        """The KV pool, sized to what the weights and a full-budget forward leave (a draft model's KV
+        beside each block), handed to every attention layer."""
+        self.kv_spec: KVCacheSpec = plan_kv_cache(
+            config.cache,
+            self.model_config,
+            kv_cache_dtype(config.cache, self.dtype),
+            self.device,
+            self._profile_activation_bytes(),
+            extra_block_bytes=self.draft.kv_spec(1).bytes_per_block if self.draft else 0,
+        )
+        self.kv_caches = allocate_kv_cache(self.kv_spec, self.device)
+        attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        for layer, (k_cache, v_cache) in zip(attn_layers, self.kv_caches, strict=True):
+            layer.k_cache, layer.v_cache = k_cache, v_cache
+
+    def _capture_graphs(self, config: EngineConfig, max_batch: int) -> dict[int, DecodeGraphs]:
+        """CUDA graphs by query length: 1 (decode) and, when speculating, k + 1 (verification)."""
+        if self.device.type != "cuda" or config.load.enforce_eager:
+            return {}
+        spec = config.speculative
+        width, hidden = -(-self.max_model_len // self.block_size), self.model_config.hidden_size
+        graphs = {}
+        for q in [1] + ([spec.num_speculative_tokens + 1] if spec is not None else []):
+            g = DecodeGraphs(
+                self.model, self.device, max_batch, width, self.block_size, hidden, self.dtype, q
+            )
+            g.capture()
+            graphs[q] = g
+        return graphs
+
+    # ------------------------------------------------------------------ one step
+    @torch.inference_mode()
+    def execute(
+        self, out: SchedulerOutput, prev: PendingSample | None = None
+    ) -> PendingSample | PendingSpec | DeferredSample | None:
+        """Enqueue the step on the device and return its samples (and prompt scores) unresolved (None:
+        nothing samples or scores). A step scheduled ahead (out.prev_rows) takes its input ids from
+        `prev`'s sampled ids; if its draw reads host state (out.draw_late), it is a DeferredSample. A
+        step with proposals is verified (self.spec) instead: a PendingSpec."""
+        self._copy_blocks(out.block_copies)
+        batch = build_batch(out, self.block_size)
+        proposals = self.spec.propose(out, batch) if self.spec is not None else None
+        fed_back = self._fed_back(out, prev)
+        draft_ids = None if proposals is None else proposals.draft_ids
+        hidden = forward_batch(
+            self.model, self.graphs_by_q, self.upload, batch, self.block_size, fed_back, draft_ids
+        )
+        scores = None
+        if out.prompt_logprob_chunks:  # prompt logprobs: only steps with a request that asks
+            plan = prompt_logprob_rows(out, batch)
+            scores = self.draw.sampler.score_prompt(self.model.compute_logits, hidden, plan)
+        if proposals is not None:
+            return self.spec.verify(batch, hidden, scores, proposals)
+        return self._draw(out, batch, hidden, scores)
+
+    def _draw(self, out: SchedulerOutput, batch: StepBatch, hidden: torch.Tensor, scores):
+        """The plain step's draw: logits at the sampling rows only, one token per sampling sequence."""
+        if not batch.samplers:
+            return self.draw.scores_only(scores)
+        if batch.logit_rows != list(range(len(batch.input_ids))):  # decode steps sample every row
+            hidden = hidden.index_select(0, self.upload.values("logit_rows", batch.logit_rows, torch.long))
+        logits, rows = self.draw.select(batch, self.model.compute_logits(hidden))
+        if out.draw_late:
+            # launched ahead: the host has not appended the previous step's tokens, which the grammars
+            # and penalties read; the engine draws once it has, while the device runs this forward
+            start = functools.partial(self.draw.start, logits, rows, scores, batch.samplers, True)
+            return DeferredSample(start)
+        return self.draw.start(logits, rows, scores, batch.samplers)()
+
+    def _fed_back(self, out: SchedulerOutput, prev: PendingSample | None) -> torch.Tensor | None:
+        """The input ids of a step scheduled ahead: rows of the previous step's samples, on the device."""
+        if out.prev_rows is None:
+            return None
+        if prev is None:
+            raise RuntimeError("a step scheduled ahead needs the previous step's samples")
+        if len(out.prev_rows) == prev.sampled.shape[0]:  # increasing rows, none left out: all of them
+            return prev.sampled
+        return prev.sampled.index_select(0, self.upload.values("prev_rows", out.prev_rows, torch.long))
+
+    # ------------------------------------------------------------------ helpers
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: duplicate shared blocks (all layers) before anyone writes into the copies."""
+        if not copies:
+            return
+        src = self.upload.values("cow_src", [s for s, _ in copies], torch.long)
+        dst = self.upload.values("cow_dst", [d for _, d in copies], torch.long)
+        for k_cache, v_cache in self.kv_caches:
+            k_cache[dst] = k_cache[src]
+            v_cache[dst] = v_cache[src]
+        if self.draft is not None:
+            self.draft.copy_blocks(src, dst)
+
+    def _profile_activation_bytes(self) -> int:
+        """Peak activation memory of a full-budget forward (GPU only), so the KV pool leaves room."""
+        if self.device.type != "cuda":
+            return 0
+        n = self.config.scheduler.max_num_batched_tokens
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        meta = AttentionMetadata.for_full_sequences([n], self.device)
+        with torch.inference_mode(), attention_context(meta):
+            hidden = self.model(ids, torch.arange(n, device=self.device))
+            self.model.compute_logits(hidden[-min(n, self.config.scheduler.max_num_seqs) :])
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        torch.cuda.empty_cache()
+        return peak

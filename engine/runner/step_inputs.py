@@ -1,0 +1,223 @@
+"""Packing one scheduled step into flat tensors: the only request -> tensor translation.
+
+All integer inputs of a step travel to the device in two host buffers (one int64, one int32), so a
+step costs two pinned host-to-device copies however many sequences it has:
+
+    int64: input_ids[R] | positions[R] | slot_mapping[R]
+    int32: cu_seqlens_q[S + 1] | seq_lens[S] | block_tables[S * W]
+
+R rows of tokens and S sequences, padded beyond the real batch when a CUDA graph bucket is bigger:
+padding tokens have slot -1 (write nothing), padding sequences have one query token, seq_len 1 and
+block 0 (finite reads, ignored outputs). W is the block-table width.
+
+Every segment starts on a 16-byte boundary (`Layout`; unused gap entries are never read). Triton
+specialises a kernel on whether each pointer argument is 16-byte aligned, so segments at offsets that
+follow R or S would compile a new kernel variant whenever a batch's parity changes, a stall of about
+a second in the middle of serving (and a first-run penalty in benchmarks).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from engine.models.attention_context import AttentionMetadata
+from engine.sched.scheduler import SchedulerOutput
+
+
+@dataclass
+class StepBatch:
+    """Host-side description of one packed step."""
+
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slot_mapping: list[int] = field(default_factory=list)
+    query_lens: list[int] = field(default_factory=list)
+    seq_lens: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)
+    logit_rows: list[int] = field(default_factory=list)  # packed index of each sampling chunk's last token
+    sample_rows: list[int] = field(default_factory=list)  # for each sampling sequence, its logits row
+    samplers: list = field(default_factory=list)
+    draw_positions: list[int] = field(default_factory=list)  # for each sampler, the position it draws
+    # chunks with proposals (speculative decoding): their sequence, proposal count, and the packed rows
+    # whose logits score them (1 + num_draft each, in order); the rows holding the proposals themselves
+    # (a draft model's are written on the device: the host packs 0 there)
+    spec_samplers: list = field(default_factory=list)
+    spec_num_draft: list[int] = field(default_factory=list)
+    spec_logit_rows: list[int] = field(default_factory=list)
+    spec_draft_rows: list[int] = field(default_factory=list)
+
+    @property
+    def is_decode(self) -> bool:
+        return all(n == 1 for n in self.query_lens)
+
+    @property
+    def uniform_q(self) -> int | None:
+        """The query length every sequence shares (CUDA graphs need one), else None."""
+        q = self.query_lens[0] if self.query_lens else None
+        return q if all(n == q for n in self.query_lens) else None
+
+
+def build_batch(out: SchedulerOutput, block_size: int) -> StepBatch:
+    b = StepBatch()
+    for chunk in out.chunks:
+        seq, start, end = chunk.seq, chunk.start, chunk.start + chunk.num_tokens
+        blocks = seq.table.blocks
+        # position p lives in block blocks[p // block_size] at offset p % block_size
+        if end - start == 1:  # the decode case, kept cheap: it runs for every sequence every step
+            # a step scheduled ahead feeds back a token the host has not seen: 0 holds its place
+            # until the runner copies the sampled id in on the device
+            b.input_ids.append(seq.token_ids[start] if start < len(seq.token_ids) else 0)
+            b.positions.append(start)
+            b.slot_mapping.append(blocks[start // block_size] * block_size + start % block_size)
+        elif chunk.num_draft:
+            _add_spec_chunk(b, chunk, block_size)
+        else:
+            b.input_ids += seq.token_ids[start:end]
+            b.positions += range(start, end)
+            b.slot_mapping += slots(blocks, range(start, end), block_size)
+        b.query_lens.append(chunk.num_tokens)
+        b.seq_lens.append(end)
+        b.block_tables.append(blocks)
+        if chunk.num_draft:
+            continue  # its rows are scored by verification, not drawn from
+        if chunk.samples:
+            b.logit_rows.append(len(b.input_ids) - 1)
+            for s in chunk.samples:  # the sampled token lands at position `end`
+                b.sample_rows.append(len(b.logit_rows) - 1)
+                b.samplers.append(s)
+                b.draw_positions.append(end)
+    return b
+
+
+def slots(blocks: list[int], positions, block_size: int) -> list[int]:
+    """The flat KV slots of `positions` of a sequence whose block table is `blocks`."""
+    return [blocks[p // block_size] * block_size + p % block_size for p in positions]
+
+
+def _add_spec_chunk(b: StepBatch, chunk, block_size: int) -> None:
+    """A decode chunk with proposals: the pending token, then the proposals (host ones, or 0 where a
+    draft model writes them on the device), each position scored."""
+    seq, start, d = chunk.seq, chunk.start, chunk.num_draft
+    first = len(b.input_ids)
+    b.input_ids.append(seq.token_ids[start])
+    b.input_ids += seq.draft + [0] * (d - len(seq.draft))  # 0: a padded or a draft model's position
+    b.positions += range(start, start + d + 1)
+    b.slot_mapping += slots(seq.table.blocks, range(start, start + d + 1), block_size)
+    b.spec_samplers.append(seq)
+    b.spec_num_draft.append(d)
+    b.spec_logit_rows += range(first, first + d + 1)
+    b.spec_draft_rows += range(first + 1, first + d + 1)
+
+
+@dataclass
+class PromptLogprobRows:
+    """The packed rows whose logits score prompt tokens (SamplingParams.prompt_logprobs): the logits of
+    rows[i] predict token targets[i]. Per marked chunk, one span (sequence, prompt position of its first
+    target, number of targets, whether the chunk completes the prompt): a chunk over positions
+    [start, end) scores the tokens at start + 1 .. min(end, num_prompt - 1); the prompt's last position
+    predicts the first output token, the sampler's job."""
+
+    rows: list[int] = field(default_factory=list)
+    targets: list[int] = field(default_factory=list)
+    spans: list[tuple] = field(default_factory=list)
+    k: int = 0  # the widest top-k any span asks for
+
+
+def prompt_logprob_rows(out: SchedulerOutput, b: StepBatch) -> PromptLogprobRows:
+    """The rows of `out.prompt_logprob_chunks` (only built for steps that have some)."""
+    offsets = [0, *itertools.accumulate(b.query_lens)]
+    plan = PromptLogprobRows()
+    for i in out.prompt_logprob_chunks:
+        chunk = out.chunks[i]
+        seq, start, end = chunk.seq, chunk.start, chunk.start + chunk.num_tokens
+        count = max(0, min(end, seq.num_prompt - 1) - start)
+        plan.rows += range(offsets[i], offsets[i] + count)
+        plan.targets += seq.token_ids[start + 1 : start + 1 + count]
+        plan.spans.append((seq, start + 1, count, end >= seq.num_prompt))
+        plan.k = max(plan.k, seq.request.params.prompt_logprobs)
+    return plan
+
+
+def _up(n: int, k: int) -> int:
+    return -(-n // k) * k
+
+
+def table_width(b: StepBatch) -> int:
+    """Block-table width of an eager step: the longest table, rounded up to 16 entries. The width is
+    the table's row stride, a kernel argument, and Triton compiles one variant for strides divisible
+    by 16 and another for the rest."""
+    return _up(max(len(t) for t in b.block_tables), 16)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Segment offsets (in elements) of the two buffers for `rows` tokens and `num_seqs` sequences:
+    each rounded up to 16 bytes, i.e. 2 int64 or 4 int32 entries."""
+
+    rows: int
+    num_seqs: int
+
+    @property
+    def row_stride(self) -> int:  # int64 segments: ids at 0, positions at 1x, slots at 2x this
+        return _up(self.rows, 2)
+
+    @property
+    def seq_lens_at(self) -> int:  # int32: cu_seqlens_q at 0
+        return _up(self.num_seqs + 1, 4)
+
+    @property
+    def tables_at(self) -> int:
+        return self.seq_lens_at + _up(self.num_seqs, 4)
+
+
+def pack(b: StepBatch, num_seqs: int, width: int, pad_q: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two host buffers, padded to `num_seqs` sequences (>= the real count; padding only for
+    CUDA-graph steps, whose sequences all have `pad_q` query tokens) and block-table width `width`."""
+    pad = num_seqs - len(b.seq_lens)
+    rows = len(b.input_ids) + pad * pad_q
+    lay = Layout(rows, num_seqs)
+    r = lay.row_stride
+    i64 = np.zeros(3 * r, dtype=np.int64)
+    i64[: len(b.input_ids)] = b.input_ids
+    i64[r : r + len(b.positions)] = b.positions
+    i64[2 * r : 2 * r + len(b.slot_mapping)] = b.slot_mapping
+    i64[2 * r + rows - pad * pad_q : 2 * r + rows] = -1  # padding tokens write nothing
+    i32 = np.zeros(lay.tables_at + num_seqs * width, dtype=np.int32)
+    i32[1 : len(b.query_lens) + 1] = np.cumsum(b.query_lens)
+    i32[len(b.query_lens) + 1 : num_seqs + 1] = i32[len(b.query_lens)] + pad_q * np.arange(1, pad + 1)
+    i32[lay.seq_lens_at : lay.seq_lens_at + num_seqs] = b.seq_lens + [pad_q] * pad
+    tables = i32[lay.tables_at :].reshape(num_seqs, width)
+    for row, blocks in zip(tables, b.block_tables):
+        row[: len(blocks)] = blocks  # entries past a sequence's last block are never read
+    return torch.from_numpy(i64), torch.from_numpy(i32)
+
+
+def unpack(
+    i64: torch.Tensor,
+    i32: torch.Tensor,
+    b: StepBatch,
+    num_seqs: int,
+    width: int,
+    block_size: int,
+    pad_q: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """(input_ids, positions, metadata) as views into the two buffers, on whatever device they are."""
+    pad = num_seqs - len(b.seq_lens)
+    lay = Layout(sum(b.query_lens) + pad * pad_q, num_seqs)
+    rows, r = lay.rows, lay.row_stride
+    meta = AttentionMetadata(
+        cu_seqlens_q=i32[: num_seqs + 1],
+        seq_lens=i32[lay.seq_lens_at : lay.seq_lens_at + num_seqs],
+        slot_mapping=i64[2 * r : 2 * r + rows],
+        block_tables=i32[lay.tables_at :].view(num_seqs, width),
+        query_lens_cpu=b.query_lens + [pad_q] * pad,
+        seq_lens_cpu=b.seq_lens + [pad_q] * pad,
+        max_seqlen_q=max(b.query_lens),
+        max_seqlen_k=max(b.seq_lens) if pad == 0 else width * block_size,
+        block_size=block_size,
+    )
+    return i64[:rows], i64[r : r + rows], meta

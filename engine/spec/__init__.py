@@ -1,0 +1,1 @@
+"""Speculative decoding: proposers, the speculator that schedules drafts, verification and its sampler."""

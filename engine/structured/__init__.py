@@ -1,0 +1,1 @@
+"""Structured output: grammar compilation, matcher state, and the matcher process that fills masks."""
