@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 MODEL_DIR ?= models/tiny-llama
 
-.PHONY: serve test test-clients lint format model bench-gpu clean
+.PHONY: serve test test-long test-clients lint format model bench-gpu clean
 
 .venv/.installed: pyproject.toml scripts/setup_venv.sh
 	bash scripts/setup_venv.sh
@@ -25,8 +25,14 @@ format: .venv/.installed
 	.venv/bin/ruff format .
 	.venv/bin/ruff check --fix .
 
+# Long runs stay out of `make test` (15 minutes at most on a 2-core machine): `make test-long` runs them.
+LONG_TESTS := tests/test_hardening.py::test_soak_2min_w2
+
 test: .venv/.installed lint $(MODEL_DIR)/config.json
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(PY) -m pytest -q -p no:cacheprovider tests $(addprefix --deselect ,$(LONG_TESTS))
+
+test-long: .venv/.installed $(MODEL_DIR)/config.json
+	$(PY) -m pytest -q -p no:cacheprovider $(LONG_TESTS)
 
 # The real lm-eval and guidellm clients against the server (tests/test_clients.py), apart from `make test`
 # for time. They go in a venv of their own, since their pins (click, multidict) differ from the server's;

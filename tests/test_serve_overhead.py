@@ -16,7 +16,7 @@ from benchmarks.serve_stack import engine_options, serve_config
 from benchmarks.serve_summary import overhead_acceptance, overhead_markdown
 
 CMDLINES = {
-    "/opt/app/.venv/bin/python -m engine.core 13 7374": "engine core",
+    "/opt/app/.venv/bin/python -m engine.core.process 13 7374": "engine core",
     "ray::ServeReplica:minserve:EngineDeployment ray::ServeRepli": "replica",
     "ray::ServeReplica:minserve:EngineDeployment.generate": "replica",
     "ray::ServeReplica:minserve:Ingress": "ingress",
@@ -61,7 +61,7 @@ def test_assign_roles_by_ancestry() -> None:
 def test_summarize_cpu_arithmetic() -> None:
     procs = {
         1: {"ppid": 0, "text": "ray::ServeReplica:m:EngineDeployment", "first": 10.0, "last": 14.0},
-        2: {"ppid": 1, "text": "python -m engine.core", "first": 0.0, "last": 9.0},  # born in the window
+        2: {"ppid": 1, "text": "python -m engine.core.process", "first": 0.0, "last": 9.0},  # born in window
         3: {"ppid": 0, "text": "ray::ProxyActor", "first": 5.0, "last": 5.5},
         4: {"ppid": 0, "text": "ray::ProxyActor", "first": 1.0, "last": 2.5},
         5: {"ppid": 0, "text": "raylet", "first": 3.0, "last": 2.0},  # never negative
