@@ -11,13 +11,14 @@ keeps what it used up to its last sample; one born inside the window counts from
 seconds / wall seconds x 100 (100 = one core busy).
 
 Roles (`classify`, on the command line joined with psutil's name(), since Ray retitles its workers as
-e.g. `ray::ServeReplica:minserve:EngineDeployment`): "engine core" (`engine.core.process` in the command
-line: the engine replica's `python -m engine.core.process` child), "replica" (ServeReplica +
+e.g. `ray::ServeReplica:minserve:EngineDeployment`): "engine core" (`engine.core.process` in the
+command line: the engine replica's `python -m engine.core.process` child), "replica" (ServeReplica +
 EngineDeployment), "ingress" (ServeReplica + Ingress), "proxy" (ProxyActor), "controller"
 (ServeController), "client" (the root processes given as clients and their children, or
-`benchmarks.serve_client`), "other ray" (raylet, gcs_server, dashboard, idle workers, the `serve run` driver, ...), "other". A process that
-matches nothing but descends from an engine replica counts as "engine core" (whatever way the replica
-starts its core); the report lists every process with its role, so such a call can be checked.
+`benchmarks.serve_client`), "other ray" (raylet, gcs_server, dashboard, idle workers, the `serve run`
+driver, ...), "other". A process that matches nothing but descends from an engine replica counts as
+"engine core" (whatever way the replica starts its core); the report lists every process with its
+role, so such a call can be checked.
 """
 
 from __future__ import annotations
