@@ -50,6 +50,20 @@ def default_server(tiny_model_dir):
     return shared_server(tiny_model_dir)
 
 
+@pytest.fixture(scope="module")
+def server(default_server):
+    """A serving module's server: the shared one, unless the module defines its own `server`."""
+    return default_server
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """The official openai client on the module's server."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
 def _on_default_server(item: pytest.Item) -> bool:
     return "default_server" in getattr(item, "fixturenames", ())
 

@@ -50,10 +50,7 @@ CLIENTS_REQUIRED_ENV = "MINSERVE_CLIENTS_REQUIRED"  # set (`make test-clients`):
 TOL = 1e-3  # server vs offline engine log-probabilities (same code and weights, other batches)
 
 
-@pytest.fixture(scope="module")
-def server(default_server) -> Server:
-    """The shared server (conftest), the one tests/test_serving.py uses."""
-    return default_server
+# `server`: the shared server (tests/conftest.py), the one tests/test_serving.py uses.
 
 
 @pytest.fixture(scope="module")

@@ -73,18 +73,7 @@ ACROSS = {
 # The engine's public API for app/: engine/__init__.py (LLM, LLMEngine, CoreClient, SamplingParams,
 # ToolConfig, BudgetForcing, Tokenizer, prompt_block_hashes) and the top-level modules that define those
 # names or the values a server exchanges with the engine: configs, errors, outputs, the tokenizer.
-ENGINE_PUBLIC_MODULES = {
-    "engine",
-    "engine.llm",
-    "engine.llm_engine",
-    "engine.core_client",
-    "engine.config",
-    "engine.spec_config",
-    "engine.sampling_params",
-    "engine.outputs",
-    "engine.errors",
-    "engine.tokenizer",
-}
+ENGINE_PUBLIC_MODULES = TOP_MODULES - {"engine.nanochat"} | BASE_MODULES - {"engine.chat_template"}
 MAX_TOP_LEVEL_MODULES = 15  # engine/ keeps its public API on top; everything else lives in a room
 
 ENGINE_FILES = python_files("engine")

@@ -30,15 +30,8 @@ pytestmark = [pytest.mark.serving, pytest.mark.filterwarnings("ignore::Deprecati
 PROMPT = "The quick brown fox jumps over the lazy dog"
 
 
-@pytest.fixture(scope="module")
-def server(default_server) -> Server:
-    """The shared server (conftest); its stop checks that serve.shutdown() leaves no engine core behind."""
-    return default_server
-
-
-@pytest.fixture(scope="module")
-def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+# `server` and `client` come from tests/conftest.py: the shared server, whose stop checks that
+# serve.shutdown() leaves no engine core behind, and the openai client on it.
 
 
 @pytest.fixture(scope="module")

@@ -47,14 +47,7 @@ class Weather(pydantic.BaseModel):
     sunny: bool
 
 
-@pytest.fixture(scope="module")
-def server(default_server) -> Server:
-    return default_server
-
-
-@pytest.fixture(scope="module")
-def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+# `server` and `client`: the shared server and the openai client on it (tests/conftest.py).
 
 
 def _post(server: Server, path: str, body: dict) -> httpx.Response:
