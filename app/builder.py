@@ -156,6 +156,7 @@ def _bind_engine(args: AppArgs, model: str, name: str, routing: dict[str, Any]) 
         retry_after_s=args.retry_after_s,
         stats_interval_s=args.stats_interval_s,
         null_core_step_ms=args.null_core_step_ms,
+        prefix_summary=bool(routing),  # the core builds the summary only for the router that reads it
     )
 
 

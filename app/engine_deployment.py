@@ -66,6 +66,7 @@ class EngineDeployment:
         retry_after_s: int = 1,
         stats_interval_s: float = 1.0,
         null_core_step_ms: float | None = None,
+        prefix_summary: bool = False,  # the core publishes its prefix cache's summary (for the router)
     ):
         from engine.core_client import CoreClient  # the tokenizer is loaded only inside the replica
 
@@ -82,7 +83,7 @@ class EngineDeployment:
         # a thread woken by I/O should not wait the default 5 ms for the running one to yield.
         sys.setswitchinterval(SWITCH_INTERVAL_S)
         config = EngineConfig.from_kwargs(model, **engine_options)
-        self.engine = CoreClient(config, self._on_step, null_core_step_ms, autoflush=False)
+        self.engine = CoreClient(config, self._on_step, null_core_step_ms, False, prefix_summary)
         self._limit = max_ongoing_requests
         self._pacer = Pacer(stream_interval_ms / 1000.0, stream_items_per_s)
         self._retry_after = retry_after_s

@@ -22,8 +22,9 @@ ray_minserve_{time_to_first_token,engine_time_to_first_token,inter_token_latency
 queue_time}_seconds,
 ray_minserve_{prompt_tokens,generation_tokens,preemptions,aborts,errors}_total,
 ray_minserve_{num_running,num_waiting,kv_blocks_used,kv_blocks_total,prefix_cache_hit_rate,
-ongoing_requests}; with speculative decoding also ray_minserve_spec_{draft_tokens,accepted_tokens,
-verified_chunks}_total and ray_minserve_spec_{acceptance_rate,mean_accepted_length}.
+ongoing_requests}; on a GPU ray_minserve_gpu_busy_estimate (docs/operations.md); with speculative
+decoding also ray_minserve_spec_{draft_tokens,accepted_tokens,verified_chunks}_total and
+ray_minserve_spec_{acceptance_rate,mean_accepted_length}.
 """
 
 from __future__ import annotations
@@ -70,6 +71,11 @@ _GAUGES = {
     "prefix_cache_hit_rate": (
         "minserve_prefix_cache_hit_rate",
         "Prompt tokens served from the prefix cache.",
+    ),
+    "gpu_busy_estimate": (  # None (not exported) without CUDA
+        "minserve_gpu_busy_estimate",
+        "Share of the last 5 s of wall time the GPU spent inside engine steps (an upper bound of the "
+        "kernel-busy share: it counts launch gaps inside eager steps).",
     ),
 }
 
@@ -183,7 +189,7 @@ class ServerMetrics:
     def update(self, stats: dict, ongoing: int) -> None:
         """Gauges from one stats() snapshot; counters by the growth of the engine's totals."""
         for key, gauge in self._gauges.items():
-            if key in stats:
+            if stats.get(key) is not None:  # absent or None: this engine has no such figure
                 gauge.set(float(stats[key]))
         self.ongoing.set(float(ongoing))
         for key, counter in self._counters.items():

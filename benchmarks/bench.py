@@ -13,6 +13,8 @@ Random-weight checkpoints are written once into --ckpt-dir and reused.
 Every job runs in its own Python process (so GPU memory is whole again for the next, and a crash or
 a hang costs one figure, not the run) under a deadline: the job's cap, cut to what is left of
 --budget-s. Each job writes <out>/parts/<job>.json; the report is built from whatever is there.
+--baseline-tree DIR: DIR's bench runs first, then this one; the report adds both side by side
+(benchmarks/bench_ab.py).
 """
 
 from __future__ import annotations
@@ -208,9 +210,10 @@ def run_one(job: Job, args, argv: list[str], out: Path, left: float) -> None:
 
 
 def run_all(args, argv: list[str]) -> None:
-    from benchmarks import report
+    from benchmarks import bench_ab, report
 
     out = Path(args.out)
+    base = bench_ab.run_old(args, argv, build_parser()) if args.baseline_tree else None
     suites = set(SUITES) if args.suite == "all" else set(args.suite.split(","))
     jobs = plan(suites, args.smoke)
     start = time.time()
@@ -226,10 +229,12 @@ def run_all(args, argv: list[str]) -> None:
     meta["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     meta["wall_s"] = time.time() - start
     write_json(out / "parts" / "_meta.json", meta)
-    report.build(out)
+    data = report.build(out)
+    if base is not None:
+        bench_ab.write_ab(out, data, base)
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--suite", default="all", help=f"all, or a comma-separated subset of {', '.join(SUITES)}")
     p.add_argument("--out", default="benchmarks/reports", help="report directory")
@@ -244,7 +249,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--blas-library", choices=["cublas", "cublaslt"], default="cublaslt", help="engine GEMMs")
     for key, value in Sizes().as_dict().items():  # --a-gen 256, --hf-c-requests 64, ...
         p.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=None)
+    p.add_argument(
+        "--baseline-tree", default=None, help="run this tree's bench first; report both side by side"
+    )
     p.add_argument("--job", help=argparse.SUPPRESS)
+    return p
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = build_parser()
     args = p.parse_args(argv)
     bad = set() if args.suite == "all" else set(args.suite.split(",")) - set(SUITES)
     if bad:

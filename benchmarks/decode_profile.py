@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 from benchmarks.common import environment, random_prompts, write_json
+from engine.core.kernel_trace import busy_time  # the union of kernel intervals, shared with the core
 
 MATMUL_MARKERS = ("gemm", "gemv", "cutlass", "xmma", "sm90_", "cublas", "nvjet")  # gemv: ours too
 
@@ -41,21 +42,6 @@ def kernel_kind(name: str) -> str:
     if "elementwise" in low or "vectorized" in low:
         return "aten elementwise"
     return name.split("(")[0][:48]
-
-
-def busy_time(intervals: list[tuple[float, float]]) -> float:
-    """Length of the union of [start, end) intervals (overlapping kernels count once)."""
-    total, cur_start, cur_end = 0.0, None, None
-    for start, end in sorted(intervals):
-        if cur_end is None or start > cur_end:
-            if cur_end is not None:
-                total += cur_end - cur_start
-            cur_start, cur_end = start, end
-        else:
-            cur_end = max(cur_end, end)
-    if cur_end is not None:
-        total += cur_end - cur_start
-    return total
 
 
 HOST_GAP_US = 20.0  # an idle stretch this long is the host, not a launch gap inside a graph

@@ -18,6 +18,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from benchmarks.baseline_tree import tree_env
 from benchmarks.common import git_commit
 from benchmarks.proc_cpu import session_pids
 
@@ -34,11 +35,14 @@ def log(msg: str) -> None:
     print(f"[serve_overhead {time.monotonic() - _T0:5.0f}s] {msg}", file=sys.stderr, flush=True)
 
 
-def serve_config(device: str, ckpt: str, port: int, users: int, null_step_ms: float | None = None) -> dict:
-    """The repo's serve_config.yaml with the checkpoint, GPUs, port and GPU engine options."""
+def serve_config(
+    device: str, ckpt: str, port: int, users: int, null_step_ms: float | None = None, root: Path = ROOT
+) -> dict:
+    """The serve_config.yaml of the tree at `root` (this repo's by default) with the checkpoint, GPUs,
+    port and GPU engine options."""
     import yaml
 
-    cfg = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+    cfg = yaml.safe_load((Path(root) / "serve_config.yaml").read_text())
     cfg["http_options"]["port"] = port
     args = cfg["applications"][0]["args"]
     args.update(model=str(ckpt), num_gpus=int(device == "cuda"), max_ongoing_requests=max(256, 2 * users))
@@ -50,9 +54,30 @@ def serve_config(device: str, ckpt: str, port: int, users: int, null_step_ms: fl
     return cfg
 
 
-def engine_options(device: str) -> dict:
+def engine_options(device: str, root: Path = ROOT) -> dict:
     """The served engine's EngineConfig.from_kwargs options (the twin uses the same)."""
-    return serve_config(device, "unused", 0, 1)["applications"][0]["args"]["engine"]
+    return serve_config(device, "unused", 0, 1, root=root)["applications"][0]["args"]["engine"]
+
+
+def with_app_args(cfg: dict, settings: dict) -> dict:
+    """A variant's `args.NAME` entries, parsed as YAML values, set on the application's args."""
+    import yaml
+
+    app = cfg["applications"][0]["args"]
+    for key, value in settings.items():
+        if key.startswith("args."):
+            app[key[len("args.") :]] = yaml.safe_load(value)
+    return cfg
+
+
+def parse_variant(spec: str) -> tuple[str, dict]:
+    """'tput=RAY_SERVE_THROUGHPUT_OPTIMIZED=1,FOO=2' -> ('tput', {...}). A key `args.NAME` sets the
+    application argument NAME (a YAML value) instead of an environment variable."""
+    name, _, rest = spec.partition("=")
+    pairs = [kv.partition("=") for kv in rest.split(",") if kv]
+    if not name or not pairs or any(not k or not eq for k, eq, _ in pairs):
+        raise SystemExit(f"--serve-env {spec!r}: expected NAME=K=V[,K=V...]")
+    return name, {k: v for k, _, v in pairs}
 
 
 def _sh(cmd: list[str], env: dict, timeout: float | None = None) -> subprocess.CompletedProcess:
@@ -96,15 +121,19 @@ def ensure_checkpoint(args, device: str, env: dict) -> Path:
 
 
 class Server:
-    """`serve run CONFIG` in a session of its own (setsid), ready once /v1/models answers."""
+    """`serve run CONFIG` in a session of its own (setsid), ready once /v1/models answers. It runs the
+    code of the tree at `root` (cwd and PYTHONPATH); `client_env` is `env` as given, for this tree's
+    load client. Its engine cores write kernel-trace windows to `trace_dir` (MINSERVE_TRACE_DIR)."""
 
-    def __init__(self, cfg: dict, run_dir: Path, env: dict, port: int):
+    def __init__(self, cfg: dict, run_dir: Path, env: dict, port: int, root: Path = ROOT):
         import yaml
 
         run_dir.mkdir(parents=True, exist_ok=True)
         self.config = run_dir / "serve_config.yaml"
         self.config.write_text(yaml.safe_dump(cfg, sort_keys=False))
-        self.url, self.run_dir, self.env = f"http://127.0.0.1:{port}", run_dir, env
+        self.url, self.run_dir, self.root, self.client_env = f"http://127.0.0.1:{port}", run_dir, root, env
+        self.trace_dir = run_dir / "kernel_trace"
+        self.env = {**tree_env(env, root), "MINSERVE_TRACE_DIR": str(self.trace_dir)}
         self.proc: subprocess.Popen | None = None
 
     def _answers(self) -> bool:
@@ -121,7 +150,7 @@ class Server:
         launch = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
         cmd = [PY, "-c", launch + "from ray.serve.scripts import cli; cli()", "run", str(self.config)]
         with open(self.run_dir / "serve.log", "w") as f:
-            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=f, stderr=subprocess.STDOUT,
+            self.proc = subprocess.Popen(cmd, cwd=self.root, env=self.env, stdout=f, stderr=subprocess.STDOUT,
                                          start_new_session=True)  # fmt: skip
         t0 = time.monotonic()
         while time.monotonic() - t0 < timeout:

@@ -14,6 +14,8 @@ import json
 import math
 from pathlib import Path
 
+from benchmarks.ab_report import serve_ab_markdown
+
 QUANTILES = ("p50", "p90", "p99")
 
 
@@ -121,9 +123,21 @@ def overhead_acceptance(runs: list[dict]) -> list[dict]:
     return checks
 
 
-def _overhead_row(run: dict, offline: dict) -> str:
+def _busy_cells(run: dict) -> list[str]:
+    """GPU busy (trace) and dmon's sm mean / p50 of a served or null window."""
+    busy = run.get("gpu_busy") or {}
+    trace, dmon = (busy.get("trace") or {}).get("busy_fraction"), busy.get("dmon") or {}
+    sm = (
+        f"{_f(dmon.get('sm_mean'), 0)} / {_f(dmon.get('sm_p50'), 0)}"
+        if dmon.get("sm_mean") is not None
+        else "-"
+    )
+    return ["-" if trace is None else f"{trace:.1%}", sm]
+
+
+def _overhead_row(run: dict, offline: dict, trees: bool = False) -> str:
     tok = _metric(run, "output_tok_s")
-    base = _metric(offline.get(run["users"]), "output_tok_s")
+    base = _metric(offline.get((run.get("tree", "new"), run["users"])), "output_tok_s")
     ratio = f"{tok / base:.1%}" if tok is not None and base and run["stack"] != "offline" else "-"
     ideal = f"{_f(run['ideal_tok_s'], 0)} ({run['null_step_ms']:.2f} ms)" if "ideal_tok_s" in run else "-"
     q = [_f(_metric(run, k, p), 1) for k in ("ttft_ms", "itl_ms") for p in ("p50", "p99")]
@@ -131,8 +145,24 @@ def _overhead_row(run: dict, offline: dict) -> str:
     cpu = [_f((run.get("cpu") or {}).get(c), 0) for c in CPU_COLS]
     if run["stack"] == "offline":  # the twin is one process: engine and load loop together
         cpu = [_f((run.get("cpu") or {}).get("offline twin"), 0)] + ["-"] * (len(CPU_COLS) - 1)
-    cells = [run["variant"], run["stack"], str(run["users"]), _f(tok, 0), ratio, ideal, *q, fail, *cpu]
+    cells = [run["variant"], run["stack"], str(run["users"]), _f(tok, 0), ratio, ideal, *_busy_cells(run), *q]
+    cells = ([run.get("tree", "new")] if trees else []) + cells + [fail, *cpu]
     return "| " + " | ".join(cells) + " |"
+
+
+def _busy_notes(runs: list[dict]) -> list[str]:
+    """Why a window's GPU busy is missing (no CUDA, an old core, no nvidia-smi), once per reason."""
+    notes = {}
+    for r in runs:
+        for how in ("trace", "dmon"):
+            why = ((r.get("gpu_busy") or {}).get(how) or {}).get("reason")
+            if why:
+                notes.setdefault(f"{how}: {why}"[:300], []).append(
+                    f"{r.get('tree', 'new')} {r['stack']} {r['users']}"
+                )
+    if not notes:
+        return []
+    return ["", "### GPU busy not measured", "", *(f"- {why} ({', '.join(at)})" for why, at in notes.items())]
 
 
 def _check_value(c: dict) -> str:
@@ -150,32 +180,42 @@ def _latency_table(runs: list[dict]) -> list[str]:
     rows = [r for r in runs if r.get("latency")]
     if not rows:
         return []
-    head = ["variant", "stack", "users", "client TTFT", *(name for _, name in LATENCY_COLS)]
+    trees = any(r.get("tree", "new") != "new" for r in runs)
+    head = [*(["tree"] if trees else []), "variant", "stack", "users", "client TTFT"]
+    head += [name for _, name in LATENCY_COLS]
     lines = ["", "### Where TTFT goes (p50, ms from arrival: ingress if served, add_request offline)", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]  # fmt: skip
     for r in rows:
         cells = [_f((r["latency"].get(k) or {}).get("p50"), 1) for k, _ in LATENCY_COLS]
         client = _f(_metric(r, "ttft_ms", "p50"), 1)
-        lines.append("| " + " | ".join([r["variant"], r["stack"], str(r["users"]), client, *cells]) + " |")
+        tree = [r.get("tree", "new")] if trees else []
+        lines.append(
+            "| " + " | ".join([*tree, r["variant"], r["stack"], str(r["users"]), client, *cells]) + " |"
+        )
     return lines
 
 
 def overhead_markdown(report: dict) -> str:
     """serve_overhead's table: one row per (variant, stack, users), then the acceptance lines."""
     runs, host = report.get("runs", []), report.get("host") or {}
-    offline = {r["users"]: r for r in runs if r["stack"] == "offline"}
-    gpu = (host.get("hardware") or {}).get("gpu") or "CPU"
-    head = ["variant", "stack", "users", "out tok/s", "vs offline", "ideal tok/s (step)", "TTFT p50",
-            "TTFT p99", "ITL p50", "ITL p99", "failed", *(f"CPU% {c}" for c in CPU_COLS)]  # fmt: skip
+    offline = {(r.get("tree", "new"), r["users"]): r for r in runs if r["stack"] == "offline"}
+    gpu, trees = (host.get("hardware") or {}).get("gpu") or "CPU", len(report.get("trees") or []) > 1
+    head = [*(["tree"] if trees else []), "variant", "stack", "users", "out tok/s", "vs offline",
+            "ideal tok/s (step)", "GPU busy (trace)", "SM% dmon mean / p50", "TTFT p50", "TTFT p99",
+            "ITL p50", "ITL p99", "failed", *(f"CPU% {c}" for c in CPU_COLS)]  # fmt: skip
     s = report.get("settings") or {}
     lines = [f"## Serving overhead: {report.get('model')} on {gpu}", "",
              f"- `{report.get('command')}` at {host.get('git_commit')}, {report.get('started')}",
              f"- {s.get('workload')} closed loop, {s.get('duration')} s per window after a "
              f"{s.get('warmup')} s warm-up, users start at {s.get('spawn_rate')}/s; times in ms; CPU% = "
-             "CPU s / wall s x 100 (offline: the twin's one process, engine and load loop)", "",
+             "CPU s / wall s x 100 (offline: the twin's one process, engine and load loop)",
+             "- GPU busy (trace): the engine core's kernel trace over the window (SIGUSR1 .. SIGUSR2), the "
+             "union of its device intervals / wall; SM% dmon: `nvidia-smi dmon -s u -d 1`, the driver's "
+             "sampled SM utilisation (% of each ~1 s sample with a kernel running), mean / p50 over the "
+             "window's samples", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]  # fmt: skip
-    lines += [_overhead_row(r, offline) for r in runs]
-    lines += _latency_table(runs)
+    lines += [_overhead_row(r, offline, trees) for r in runs]
+    lines += serve_ab_markdown(report) + _busy_notes(runs) + _latency_table(runs)
     lines += ["", "### Acceptance", ""]
     if not report.get("acceptance"):
         at = ", ".join(str(u) for u, _ in OVERHEAD_TARGETS)

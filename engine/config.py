@@ -61,7 +61,10 @@ class ModelLoadConfig:
     device: str = "auto"  # auto: cuda when available, else cpu
     max_model_len: int | None = None  # default: the checkpoint's max_position_embeddings, capped at 8192
     seed: int = 0
-    enforce_eager: bool = False  # disable CUDA-graph decode
+    enforce_eager: bool = False  # no CUDA graphs at all: every step launches its kernels
+    # CUDA graphs of mixed steps (prefill chunks beside decodes) by token count, besides the decode
+    # graphs; False keeps those steps eager (engine/runner/cuda_graph.py)
+    mixed_graphs: bool = True
     # cuBLAS front end for GEMMs of more than one row on a GPU (one row takes our Triton GEMV). cuBLASLt
     # picks faster kernels for the 16-256-row decode GEMMs (docs/performance.md); the
     # choice is per process (torch.backends.cuda.preferred_blas_library).

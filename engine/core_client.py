@@ -66,8 +66,15 @@ OnStep = Callable[[list[RequestOutput]], None]
 
 class CoreClient:
     def __init__(
-        self, config: EngineConfig, on_step: OnStep, null_step_ms: float | None = None, autoflush: bool = True
+        self,
+        config: EngineConfig,
+        on_step: OnStep,
+        null_step_ms: float | None = None,
+        autoflush: bool = True,
+        prefix_summary: bool = False,
     ):
+        """prefix_summary: the core publishes its prefix cache's summary (`prefix_summary()`), for
+        prefix-aware routing; without it the core never builds one."""
         self.tokenizer = Tokenizer.from_dir(config.load.model)
         self.model_name = config.load.model.rstrip("/").split("/")[-1]
         self._on_step = on_step
@@ -82,14 +89,14 @@ class CoreClient:
         self._stats: dict = {}
         self._prefix_summary: tuple[int, list[int]] = (1, [])
         self._audit: list[str] = []
-        self.proc, self._conn = self._start(config, null_step_ms)
+        self.proc, self._conn = self._start(Start(config, null_step_ms, prefix_summary))
         self.limits: admission.Limits = self._conn.recv_ready()
         self.max_model_len = self.limits.max_model_len
         structured.warm_up(self.tokenizer, self.limits.vocab_size)  # admission compiles constraints here too
         threading.Thread(target=self._read, name="core-reader", daemon=True).start()
 
     # ------------------------------------------------------------------ starting the core
-    def _start(self, config: EngineConfig, null_step_ms: float | None):
+    def _start(self, start: Start):
         """Spawn the core from a keeper thread that then waits on it for the core's whole life: the
         core's death signal is tied to the thread that started it (engine/core/process.py). The reader thread,
         not the keeper, reports the core's end: it sees EOF only after the core's last message."""
@@ -118,7 +125,7 @@ class CoreClient:
         if isinstance(started[0], BaseException):
             raise started[0]
         conn = _CoreConnection(ours.detach())
-        conn.send(Start(config, null_step_ms))
+        conn.send(start)
         return started[0], conn
 
     # ------------------------------------------------------------------ called from any thread
@@ -163,7 +170,8 @@ class CoreClient:
 
     def prefix_summary(self) -> tuple[int, list[int]]:
         """(stride, hashes) of the core's prefix cache, at most about a second old
-        (engine/sched/block_manager.BlockManager.prefix_summary)."""
+        (engine/sched/block_manager.BlockManager.prefix_summary); (1, []) unless the client was made
+        with prefix_summary=True."""
         return self._prefix_summary
 
     def audit(self) -> list[str]:

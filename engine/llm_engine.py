@@ -26,6 +26,7 @@ from engine.output.processor import OutputProcessor
 from engine.output.sink import TokenSink
 from engine.output.state import EngineState
 from engine.outputs import RequestOutput
+from engine.runner.busy_estimate import BusyEstimate
 from engine.runner.in_flight import Draw, InFlightStep
 from engine.runner.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
@@ -46,6 +47,7 @@ class LLMEngine:
         self.config, self.detokenize = config, detokenize
         self.tokenizer = Tokenizer.from_dir(config.load.model)
         self.runner = ModelRunner(config)
+        self.busy = BusyEstimate.for_device(self.runner.device)  # stats' gpu_busy_estimate
         self.max_model_len = self.runner.max_model_len
         self.block_manager = BlockManager(
             self.runner.kv_spec.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
@@ -180,7 +182,11 @@ class LLMEngine:
         outputs = None
         if emit_first and step.deferred:
             outputs = emit()  # the device is still on this step's forward: it cannot sample before the join
-        ahead = self._launch_next(nxt, step.finish(self.sink.fail_chunks))
+        deferred = step.deferred
+        prev = step.finish(self.sink.fail_chunks)
+        if deferred:  # its sampling, the step's last kernels, was enqueued just now
+            self.busy.end()
+        ahead = self._launch_next(nxt, prev)
         if emit_first and outputs is None:
             outputs = emit()
         received = self.sink.receive(step.out, step.draw)
@@ -228,11 +234,17 @@ class LLMEngine:
         for chunk in out.chunks:
             metrics = chunk.seq.request.metrics
             metrics.first_scheduled_time = metrics.first_scheduled_time or now
+        if not out.chunks:
+            return InFlightStep(out, None)
         try:
-            return InFlightStep(out, self.runner.execute(out, prev) if out.chunks else None)
+            self.busy.begin()
+            step = InFlightStep(out, self.runner.execute(out, prev))
         except Exception as exc:  # a failed forward fails the requests in it, never the engine
             self.sink.fail_chunks(out, exc)
             return InFlightStep(out, None)
+        if not step.deferred:  # a deferred draw enqueues its sampling later (see _step)
+            self.busy.end()
+        return step
 
     # ------------------------------------------------------------------ introspection
     def audit(self) -> list[str]:
@@ -251,6 +263,7 @@ class LLMEngine:
             "kv_blocks_total": bm.num_blocks,
             "prefix_cache_hit_rate": bm.prefix_hits / bm.prefix_queries if bm.prefix_queries else 0.0,
             "num_preemptions": self.scheduler.num_preemptions,
+            "gpu_busy_estimate": self.busy.estimate(),  # None without CUDA (engine/runner/busy_estimate.py)
             **self.state.counters.as_dict(),
             **(self.speculator.get_stats() if self.speculator is not None else {}),
         }

@@ -242,18 +242,26 @@ def rope_store_kv(
 
 def attention(q, k, v, k_cache, v_cache, meta, scale, sliding_window=None, softcap=None):
     """Paged decode kernel when every sequence has one new token and a cache exists (the CUDA-graph
-    path: it reads only device tensors and shapes from `meta`); the varlen prefill kernel otherwise."""
+    path: it reads only device tensors and shapes from `meta`); for a mixed batch (meta.mixed) the
+    decode kernel on its one-query sequences and the flat-grid prefill kernel on the rest, both from
+    shapes alone; the varlen prefill kernel otherwise."""
     if not use_triton(q):
         return torch_ops.attention(q, k, v, k_cache, v_cache, meta, scale, sliding_window, softcap)
-    if meta.block_tables is not None and meta.is_decode:
-        from kernels import triton_decode_attention
-
-        return triton_decode_attention.decode_attention(
-            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, sliding_window, softcap
-        )
-    from kernels import triton_prefill_attention
+    from kernels import triton_decode_attention, triton_prefill_attention
 
     paged = meta.block_tables is not None
+    if paged and (meta.is_decode or meta.mixed):
+        out = triton_decode_attention.decode_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, sliding_window, softcap,
+            cu_seqlens_q=meta.cu_seqlens_q if meta.mixed else None,
+        )  # fmt: skip
+        if not meta.mixed:
+            return out
+        return triton_prefill_attention.prefill_attention(
+            q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.max_seqlen_q, scale,
+            block_tables=meta.block_tables, sliding_window=sliding_window, softcap=softcap, out=out,
+            mixed=True,
+        )  # fmt: skip
     return triton_prefill_attention.prefill_attention(
         q,
         k_cache if paged else k,

@@ -45,17 +45,22 @@ RELEASE_FIRST = True  # o_proj launches before the wait: its weight loads overla
 @triton.jit(do_not_specialize=["window", "num_splits"])
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, part_o_ptr, part_lse_ptr, out_ptr,
-    arrivals_ptr, stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    stride_bt, stride_ob, stride_oh, scale, softcap, window, num_splits,
+    arrivals_ptr, cu_q_ptr, stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+    stride_vh, stride_bt, stride_ob, stride_oh, scale, softcap, window, num_splits,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr,
     DIRECT: tl.constexpr, MERGE_G: tl.constexpr, MERGE_S: tl.constexpr, USE_PDL: tl.constexpr,
-    RELEASE_FIRST: tl.constexpr,
+    RELEASE_FIRST: tl.constexpr, ROWS_FROM_CU: tl.constexpr,
 ):  # fmt: skip
     wait_for_inputs(USE_PDL, RELEASE_FIRST)
     b = tl.program_id(0).to(tl.int64)
     kh = tl.program_id(1)
     split = tl.program_id(2)
+    qrow = b
+    if ROWS_FROM_CU:  # a mixed batch: sequence b's row is cu_q[b]; only one-query sequences are ours
+        qrow = tl.load(cu_q_ptr + b).to(tl.int64)
+        if tl.load(cu_q_ptr + b + 1) - qrow != 1:
+            return
     seq_len = tl.load(seq_lens_ptr + b)
     lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
     chunk = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
@@ -67,7 +72,7 @@ def _decode_split_kernel(
     dmask = d < HEAD_DIM
     heads = kh * GROUP + g  # query heads of this KV group; rows g >= GROUP are padding for tl.dot
     q_mask = (g < GROUP)[:, None] & dmask[None, :]
-    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0)
+    q = tl.load(q_ptr + qrow * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0)
     q = dot_dtype_for(q, k_cache_ptr)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
@@ -91,7 +96,7 @@ def _decode_split_kernel(
     has = l_i > 0.0  # false only for an empty split
     o = acc / tl.where(has, l_i, 1.0)[:, None]
     if DIRECT:  # a single split is the whole answer: no partial buffers, no merge
-        out_offs = b * stride_ob + heads[:, None] * stride_oh + d[None, :]
+        out_offs = qrow * stride_ob + heads[:, None] * stride_oh + d[None, :]
         tl.store(out_ptr + out_offs, o.to(out_ptr.dtype.element_ty), mask=q_mask)
         return
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
@@ -104,7 +109,7 @@ def _decode_split_kernel(
     if arrive_last(counter, num_splits):
         used = tl.where(chunk > 0, tl.cdiv(seq_len - lo, tl.maximum(chunk, 1)), 0)
         first = (b * (tl.num_programs(1) * GROUP) + kh * GROUP) * num_splits
-        _merge_splits(part_o_ptr, part_lse_ptr, out_ptr + b * stride_ob + kh * GROUP * stride_oh, first,
+        _merge_splits(part_o_ptr, part_lse_ptr, out_ptr + qrow * stride_ob + kh * GROUP * stride_oh, first,
                       num_splits, used, stride_oh, GROUP, HEAD_DIM, BLOCK_D, MERGE_G, MERGE_S)  # fmt: skip
         tl.store(counter, 0)  # ready for the next launch (the next layer, or the next graph replay)
 
@@ -187,6 +192,26 @@ def _alloc_partials(batch: int, num_q_heads: int, num_splits: int, head_dim: int
     return part_o, part_lse
 
 
+def _check_args(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q) -> int:
+    """The batch (sequence count) of a decode_attention call, or a ValueError naming what disagrees."""
+    batch, num_q_heads, head_dim = q.shape
+    if cu_seqlens_q is not None:
+        batch = seq_lens.shape[0]
+        if cu_seqlens_q.shape[0] != batch + 1:
+            raise ValueError(f"decode_attention: cu_seqlens_q needs {batch + 1} entries ({batch} sequences)")
+    num_kv_heads = k_cache.shape[2]
+    if num_q_heads % num_kv_heads or k_cache.shape[3] != head_dim or v_cache.shape != k_cache.shape:
+        raise ValueError(f"decode_attention: q {tuple(q.shape)} does not fit caches {tuple(k_cache.shape)}")
+    if q.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+        raise ValueError("decode_attention: the head_dim axis of q and the caches must be contiguous")
+    if seq_lens.shape[0] != batch or block_tables.shape[0] != batch:
+        raise ValueError(
+            f"decode_attention: q has {batch} rows but seq_lens {tuple(seq_lens.shape)} and block_tables "
+            f"{tuple(block_tables.shape)} disagree; pad all three to the same batch"
+        )
+    return batch
+
+
 def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -198,26 +223,23 @@ def decode_attention(
     softcap: float | None = None,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
+    cu_seqlens_q: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [B, Hq, D] (one new token per sequence, already in the cache); caches [N, page, Hk, D];
     block_tables [B, max_blocks] int32; seq_lens [B] int32 on the device. Returns [B, Hq, D]
-    (written into `out` when given). num_splits overrides the shape-derived split count."""
-    batch, num_q_heads, head_dim = q.shape
-    _, page, num_kv_heads, _ = k_cache.shape
-    if num_q_heads % num_kv_heads or k_cache.shape[3] != head_dim or v_cache.shape != k_cache.shape:
-        raise ValueError(f"decode_attention: q {tuple(q.shape)} does not fit caches {tuple(k_cache.shape)}")
-    if q.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
-        raise ValueError("decode_attention: the head_dim axis of q and the caches must be contiguous")
-    if seq_lens.shape[0] != batch or block_tables.shape[0] != batch:
-        raise ValueError(
-            f"decode_attention: q has {batch} rows but seq_lens {tuple(seq_lens.shape)} and block_tables "
-            f"{tuple(block_tables.shape)} disagree; pad all three to the same batch"
-        )
+    (written into `out` when given). num_splits overrides the shape-derived split count.
+
+    With cu_seqlens_q ([B + 1] int32), q is a mixed packed batch [T, Hq, D]: sequence b's query rows
+    are cu_seqlens_q[b] : cu_seqlens_q[b + 1], and only sequences with exactly one are attended (their
+    row of `out` written); the others' rows are left for the prefill kernel (kernels.ops.attention)."""
+    batch = _check_args(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q)
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    page, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     elif out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1:
         raise ValueError(f"decode_attention: out must be {tuple(q.shape)} {q.dtype}, last dim contiguous")
-    if batch == 0:
+    if batch == 0 or q.shape[0] == 0:
         return out
     group = num_q_heads // num_kv_heads
     block_n, num_warps, num_stages = decode_config(head_dim, k_cache.dtype == torch_ops.FP8_DTYPE)
@@ -234,13 +256,15 @@ def decode_attention(
     merge_g = triton.next_power_of_2(group)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, part_o, part_lse, out, arrivals,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        seq_lens if cu_seqlens_q is None else cu_seqlens_q, q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1), scale, softcap or 0.0, sliding_window or 0, num_splits,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
         PAGE=page, BLOCK_N=block_n, HAS_SOFTCAP=softcap is not None,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         DIRECT=num_splits == 1, MERGE_G=merge_g, MERGE_S=max(1, MERGE_TILE // (merge_g * block_d)),
-        USE_PDL=pdl, RELEASE_FIRST=RELEASE_FIRST, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
+        USE_PDL=pdl, RELEASE_FIRST=RELEASE_FIRST, ROWS_FROM_CU=cu_seqlens_q is not None,
+        num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
     )  # fmt: skip
     return out

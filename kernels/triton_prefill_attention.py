@@ -33,22 +33,43 @@ def _load_kv_tile(base_ptr, bt_row, seq_start, kpos, kvalid, kh, stride_b, strid
     return tl.load(ptrs, mask=kvalid[:, None] & dmask[None, :], other=0.0)
 
 
-@triton.jit(do_not_specialize=["window"])
+@triton.jit
+def _flat_tile_seq(cu_q_ptr, t, num_seqs, search_steps, BLOCK_M: tl.constexpr):
+    """The sequence owning flat tile t: the last b with first_tile(b) = cu_q[b] // BLOCK_M + b <= t.
+    first_tile rises by at least 1 per sequence and sequence b has cdiv(q_len, BLOCK_M) tiles, so the
+    sequences' tile ranges never overlap; a binary search of search_steps >= log2(num_seqs) halvings."""
+    lo = 0
+    hi = num_seqs - 1
+    for _ in range(search_steps):
+        mid = (lo + hi + 1) // 2
+        go = tl.load(cu_q_ptr + mid) // BLOCK_M + mid <= t
+        lo = tl.where(go, mid, lo)
+        hi = tl.where(go, hi, mid - 1)
+    return lo
+
+
+@triton.jit(do_not_specialize=["window", "num_seqs", "search_steps"])
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, seq_lens_ptr, block_tables_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-    scale, softcap, window,
+    scale, softcap, window, num_seqs, search_steps,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    DOT_PREC: tl.constexpr, FLAT: tl.constexpr,
 ):  # fmt: skip
-    tile = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
-    h = tl.program_id(2)
+    if FLAT:  # grid (flat tile, head); one-query sequences belong to the decode kernel
+        h = tl.program_id(1)
+        t = tl.program_id(0)
+        b = _flat_tile_seq(cu_q_ptr, t, num_seqs, search_steps, BLOCK_M).to(tl.int64)
+        tile = t - (tl.load(cu_q_ptr + b) // BLOCK_M + b)
+    else:  # grid (tile of a sequence, sequence, head)
+        tile = tl.program_id(0)
+        b = tl.program_id(1).to(tl.int64)
+        h = tl.program_id(2)
     q_start = tl.load(cu_q_ptr + b)
     q_len = tl.load(cu_q_ptr + b + 1) - q_start
-    if tile * BLOCK_M >= q_len:
+    if tile * BLOCK_M >= q_len or (FLAT and q_len == 1):
         return
     seq_len = tl.load(seq_lens_ptr + b)
     ctx = seq_len - q_len
@@ -133,11 +154,16 @@ def prefill_attention(
     block_m: int | None = None,
     block_n: int | None = None,
     out: torch.Tensor | None = None,
+    mixed: bool = False,
 ) -> torch.Tensor:
     """q: [T, Hq, D]. With block_tables, k/v are the paged caches [N, page, Hk, D]; without, this step's
     k/v [T, Hk, D] packed like q. cu_seqlens_q [B + 1], seq_lens [B] int32. Returns [T, Hq, D].
     block_m / block_n override the tile sizes (tests use small tiles to cross tile edges); `out` is an
-    optional destination like q."""
+    optional destination like q.
+
+    mixed: the batch's one-query sequences are left to the decode kernel (their rows of `out` are not
+    written), and the grid is flat, cdiv(T, BLOCK_M) + B tiles per head, from shapes alone: a CUDA graph
+    of a token-count bucket replays it for any split of its rows into sequences (max_seqlen_q unused)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[-2]
     if num_q_heads % num_kv_heads or k.shape[-1] != head_dim or v.shape != k.shape:
@@ -151,7 +177,8 @@ def prefill_attention(
     batch = cu_seqlens_q.shape[0] - 1
     if num_tokens == 0 or batch == 0:
         return out
-    bm, bn, num_warps, num_stages = prefill_config(head_dim, k.dtype == torch_ops.FP8_DTYPE, max_seqlen_q)
+    short = None if mixed else max_seqlen_q  # a mixed graph's tiles cannot depend on the data
+    bm, bn, num_warps, num_stages = prefill_config(head_dim, k.dtype == torch_ops.FP8_DTYPE, short)
     bm, bn = block_m or bm, block_n or bn
     paged = block_tables is not None
     if paged:
@@ -160,13 +187,17 @@ def prefill_attention(
     else:  # packed rows: the "block" stride is the token stride, the in-block stride is unused
         kv_strides = (k.stride(0), 0, k.stride(1), v.stride(0), 0, v.stride(1))
         page, bt, stride_bt = 1, cu_seqlens_q, 0  # bt is never read when not PAGED
-    grid = (triton.cdiv(max_seqlen_q, bm), batch, num_q_heads)
+    if mixed:
+        grid = (triton.cdiv(num_tokens, bm) + batch, num_q_heads)
+    else:
+        grid = (triton.cdiv(max_seqlen_q, bm), batch, num_q_heads)
     _prefill_kernel[grid](
         q, k, v, out, cu_seqlens_q, seq_lens, bt,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *kv_strides, stride_bt,
-        scale, softcap or 0.0, sliding_window or 0,
+        scale, softcap or 0.0, sliding_window or 0, batch, batch.bit_length(),
         GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_M=bm, BLOCK_N=bn, PAGED=paged, PAGE=page, HAS_SOFTCAP=softcap is not None,
-        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps, num_stages=num_stages,
+        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", FLAT=mixed, num_warps=num_warps,
+        num_stages=num_stages,
     )  # fmt: skip
     return out

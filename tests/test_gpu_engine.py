@@ -48,6 +48,8 @@ def test_gpu_greedy_matches_naive_recompute(tiny_model_dir, enforce_eager, kv_ca
     )
     assert (engine.runner.graphs is None) == enforce_eager
     got = run(engine, prompts, params)
+    if not enforce_eager:  # chunked prefill beside decodes: those steps replay the mixed graphs
+        assert engine.runner.mixed_graphs.replays > 0
     fp8 = kv_cache_dtype == "fp8"
     ref = NaiveGenerator(tiny_model_dir, dtype=torch.float64, kv_dtype=torch.float8_e4m3fn if fp8 else None)
     mismatches = sum(g != ref.greedy(p, 16) for g, p in zip(got, prompts))

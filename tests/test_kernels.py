@@ -517,6 +517,7 @@ def test_interpreter_subprocess() -> None:
         "interp and not subprocess",
         __file__,
         str(Path(__file__).with_name("test_kernels_fp8_kv.py")),
+        str(Path(__file__).with_name("test_kernels_mixed.py")),
     ]
     proc = subprocess.run(cmd, cwd=root, env=envvars, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]

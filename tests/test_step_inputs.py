@@ -45,3 +45,22 @@ def test_round_trip_and_alignment(num_seqs: int, bucket: int, decode: bool):
         assert row[: len(blocks)] == blocks
     for view in (ids, pos, meta.slot_mapping, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables):
         assert (view.data_ptr() - view.untyped_storage().data_ptr()) % 16 == 0
+
+
+@pytest.mark.parametrize("num_seqs,seqs,rows", [(3, 8, 32), (5, 5, 27), (1, 16, 16)])
+def test_mixed_graph_padding(num_seqs: int, seqs: int, rows: int):
+    """A mixed graph's padding (pad_q 0): padding sequences own no rows and have seq_len 0, the rows
+    past the real ones belong to no sequence and write nothing, and the metadata says `mixed`."""
+    b = _batch(random.Random(num_seqs), num_seqs, decode=False)
+    real = len(b.input_ids)
+    i64, i32 = pack(b, seqs, 16, pad_q=0, rows=rows)
+    ids, pos, meta = unpack(i64, i32, b, seqs, 16, block_size=16, pad_q=0, rows=rows, mixed=True)
+    assert meta.mixed and ids.shape[0] == rows and pos.shape[0] == rows
+    assert ids.tolist() == b.input_ids + [0] * (rows - real)
+    assert meta.slot_mapping.tolist() == b.slot_mapping + [-1] * (rows - real)
+    cu = meta.cu_seqlens_q.tolist()
+    assert cu[: num_seqs + 1] == [sum(b.query_lens[:i]) for i in range(num_seqs + 1)]
+    assert cu[num_seqs:] == [real] * (seqs - num_seqs + 1)  # padding sequences: no queries
+    assert meta.seq_lens.tolist() == b.seq_lens + [0] * (seqs - num_seqs)
+    for view in (ids, pos, meta.slot_mapping, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables):
+        assert (view.data_ptr() - view.untyped_storage().data_ptr()) % 16 == 0

@@ -18,10 +18,12 @@ from typing import Any, NamedTuple
 
 # ---------------------------------------------------------------- client -> core
 class Start(NamedTuple):
-    """The first message: what to build (an EngineConfig; a null core when null_step_ms is set)."""
+    """The first message: what to build (an EngineConfig; a null core when null_step_ms is set), and
+    whether its stats carry the prefix cache's summary (only prefix-aware routing reads it)."""
 
     config: Any
     null_step_ms: float | None
+    prefix_summary: bool = False
 
 
 class Add(NamedTuple):

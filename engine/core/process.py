@@ -11,6 +11,9 @@ stop strings (and sends the stop back), builds output objects and records metric
 that needs text inside the loop, the calculator tool, decodes only its expression when a tool call
 ends (engine/output/processor.py), and budget forcing encodes its replacement once per string.
 
+Between steps the loop also opens and closes a kernel-trace window on SIGUSR1 / SIGUSR2, for
+measuring how busy the GPU is (engine/core/kernel_trace.py).
+
 Why a process: per-token Python in the replica (Serve's streaming, metrics) would otherwise share a
 GIL with the thread that launches the forward passes, slowing every step (vLLM's EngineCore and
 SGLang's scheduler process exist for the same reason).
@@ -31,6 +34,7 @@ import time
 import traceback
 from multiprocessing.connection import Connection
 
+from engine.core.kernel_trace import KernelTrace
 from engine.core.messages import (
     Abort,
     Add,
@@ -65,16 +69,23 @@ def _final(rid: str, reason: str, error: str | None = None) -> Record:
 
 class EngineCore:
     """The loop: apply commands, step, send. `engine` is an LLMEngine(detokenize=False) or a stand-in
-    with the same surface (engine/core/null_engine.py)."""
+    with the same surface (engine/core/null_engine.py). `prefix_summary`: the stats carry the prefix
+    cache's summary, which only prefix-aware routing reads (building it walks the cache). `trace`: the
+    kernel-trace window that SIGUSR1 / SIGUSR2 open and close (engine/core/kernel_trace.py)."""
 
-    def __init__(self, engine, conn: Connection):
+    def __init__(
+        self, engine, conn: Connection, prefix_summary: bool = False, trace: KernelTrace | None = None
+    ):
         self.engine = engine
         self.conn = conn
+        self.prefix_summary = prefix_summary
+        self.trace = trace or KernelTrace()
         self.deferred: list[Add] = []  # adds waiting for room in the scheduler's queue, in order
         self.pending: list[Record] = []  # final records produced between steps (aborts, refusals)
         self.aborted_unadded = 0  # aborts of requests still in `deferred`: the engine never saw them
         self.running = True
         self._last_stats = self._last_summary = 0.0
+        self._busy_shown = False  # the last stats showed the GPU busy: an idle core keeps them fresh
 
     def run(self) -> int:
         """The loop, until shutdown (0), the replica going away (0) or the loop failing (1: the replica
@@ -96,6 +107,8 @@ class EngineCore:
     def _loop(self) -> None:
         idle_sent = False
         while self.running:
+            if self.trace.requests:  # a kernel-trace window opens or closes between steps
+                self.trace.act()
             self.apply_deferred()
             if self.engine.has_unfinished():
                 idle_sent = False
@@ -106,6 +119,8 @@ class EngineCore:
                 self.send_step(Records.of([]))
                 self.conn.send(Idle(self.stats(summary=True), self.engine.audit()))
                 idle_sent = True
+            elif self._busy_shown:  # the running GPU-busy estimate decays to 0 while idle
+                self.conn.send(Step(Records.of([]), self.stats()))
             self.read(timeout=0.0 if self.deferred else IDLE_POLL_S)
 
     def send_step(self, records: Records) -> None:
@@ -120,9 +135,13 @@ class EngineCore:
             self.conn.send(Step(records, stats))
 
     def stats(self, summary: bool = False) -> dict:
-        """The engine's stats; with the prefix cache's summary when `summary` or when it is due."""
+        """The engine's stats; with the prefix cache's summary (when the core publishes it) when
+        `summary` or when it is due."""
         stats = self.engine.get_stats()
         stats["num_aborts"] += self.aborted_unadded
+        self._busy_shown = bool(stats.get("gpu_busy_estimate"))
+        if not self.prefix_summary:
+            return stats
         now = time.monotonic()
         if summary or now - self._last_summary >= SUMMARY_EVERY_S:
             stats["prefix_summary"] = self.engine.prefix_summary(SUMMARY_MAX_HASHES)
@@ -200,6 +219,8 @@ def main(fd: int, parent_pid: int) -> int:
     if os.getppid() != parent_pid:
         return 1  # the parent died before the death signal was armed
     logging.basicConfig(level=logging.INFO, format="engine-core %(levelname)s %(message)s")
+    trace = KernelTrace()
+    trace.install()  # before the model loads: a signal that comes early is queued, never fatal
     conn = Connection(fd)
     start: Start = conn.recv()
     try:
@@ -208,7 +229,7 @@ def main(fd: int, parent_pid: int) -> int:
         conn.send(Failed(f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         return 1
     conn.send(Ready(engine.limits))
-    return EngineCore(engine, conn).run()
+    return EngineCore(engine, conn, start.prefix_summary, trace).run()
 
 
 if __name__ == "__main__":

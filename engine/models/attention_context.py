@@ -37,6 +37,10 @@ class AttentionMetadata:
     max_seqlen_q: int
     max_seqlen_k: int
     block_size: int = 16
+    # A mixed batch (some sequences with one query, some with more): attention splits it between the
+    # decode and prefill kernels by each sequence's query count on the device, with grids from shapes
+    # alone, so one CUDA graph per token count serves any mix (engine/runner/mixed_graph.py).
+    mixed: bool = False
 
     @property
     def is_decode(self) -> bool:

@@ -14,7 +14,7 @@ window) lives on the family's model class in engine/models, registered in engine
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol

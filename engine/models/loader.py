@@ -23,13 +23,13 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 from tqdm import tqdm
 
-from engine.models import quant_loader
 from engine.device.placement import resolve_device_dtype
+from engine.models import quant_loader
 from engine.models.config import ModelConfig
 from engine.models.layers import MergedLinear
+from engine.models.quant_config import resolve_quant_config
 from engine.models.quant_linear import QuantLinear, QuantLinearFactory, QuantMergedLinear
 from engine.models.registry import config_from_dir, get_model_class
-from engine.models.quant_config import resolve_quant_config
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

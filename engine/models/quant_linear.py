@@ -56,7 +56,9 @@ class QuantLinear(nn.Module):
         self.qweight = _empty_param(out_features, in_features, dtype=quant.weight_dtype)
         if self.scheme == "block":
             tile_rows = sum(math.ceil(n / self.block_size) for n in self.output_sizes)
-            self.scale = _empty_param(tile_rows, math.ceil(in_features / self.block_size), dtype=torch.float32)
+            self.scale = _empty_param(
+                tile_rows, math.ceil(in_features / self.block_size), dtype=torch.float32
+            )
             row_block = scale_row_blocks(self.output_sizes, self.block_size).to(self.qweight.device)
         else:
             self.scale = _empty_param(out_features, dtype=torch.float32)
@@ -122,7 +124,9 @@ class QuantLinearFactory(LinearFactory):
             return super().linear(name, in_features, out_features, bias)
         return QuantLinear(in_features, out_features, bias, self.quant.linear)
 
-    def merged(self, names: list[str], in_features: int, output_sizes: list[int], bias: bool = False) -> nn.Module:
+    def merged(
+        self, names: list[str], in_features: int, output_sizes: list[int], bias: bool = False
+    ) -> nn.Module:
         full = [self.full_name(n) for n in names]
         quantized = [self.quant.quantizes(n) for n in full]
         if any(quantized) != all(quantized):

@@ -1,16 +1,19 @@
-"""CUDA-graph decode: capture one graph per batch-size bucket at start-up, replay it every decode step.
+"""CUDA graphs of whole steps: captured at start-up per bucket, replayed instead of launching kernels.
 
-A decode step is many small kernels; replaying a captured graph removes their launch gaps. Capture
-needs fixed shapes and addresses, so each bucket owns static input buffers in the layout of
-engine/runner/step_inputs.py, the block-table width is fixed at max_model_len / block_size (the decode kernel
-derives its split count from that width, never from the data), and all graphs share one memory pool.
-Kernels are compiled by the warm-up run before capture, so capture never JITs or autotunes.
-A step then costs two host-to-device copies into the bucket's buffers and one replay.
+A step is hundreds of small kernels; replaying a captured graph removes their launch gaps and the
+Python that issues them. Capture needs fixed shapes and addresses, so each bucket owns static input
+buffers in the layout of engine/runner/step_inputs.py, the block-table width is fixed at
+max_model_len / block_size (the decode kernel derives its split count from that width, never from the
+data), and all graphs share one memory pool. Kernels are compiled by a warm-up run before capture, so
+capture never JITs or autotunes. A step then costs two host-to-device copies and one replay.
 
-The same holds for any step whose sequences all have `query_len` new tokens (speculative verification:
-the pending token and k proposals; a draft model's catch-up): such graphs run the varlen attention
-kernel, whose grid depends only on the bucket and query_len, and pad with sequences of query_len
-tokens that write nothing.
+Two kinds, chosen per step by `forward_batch`:
+  * DecodeGraphs, by batch size, for steps whose sequences all have `query_len` new tokens (decode:
+    1; speculative verification: k + 1). Padding sequences have query_len tokens that write nothing;
+  * MixedGraphs, by token count, for any other step (prefill chunks beside decodes): attention splits
+    the batch between the decode and prefill kernels on the device (AttentionMetadata.mixed), with
+    grids from the bucket's shapes alone. Padding sequences have no tokens and seq_len 0; padding rows
+    belong to no sequence, write nothing, and their hidden rows are garbage no caller reads.
 """
 
 from __future__ import annotations
@@ -22,84 +25,123 @@ from engine.models.attention_context import attention_context
 from engine.runner.step_inputs import StepBatch, pack, table_width, unpack
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
+# Token counts of mixed graphs: fine steps where padding would cost most, coarser above.
+TOKEN_BUCKETS = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1280, 1536, 1792, 2048, 3072, 4096)
 
 
-class DecodeGraphs:
-    def __init__(
-        self,
-        model,
-        device: torch.device,
-        max_batch: int,
-        width: int,
-        block_size: int,
-        hidden_size: int,
-        dtype: torch.dtype,
-        query_len: int = 1,
-    ):
-        self.model = model
-        self.q = query_len
-        self.device = device
-        self.width = width
-        self.block_size = block_size
-        self.buckets = [b for b in DEFAULT_BUCKETS if b < max_batch] + [max_batch]
-        self.hidden = torch.zeros((max_batch * query_len, hidden_size), dtype=dtype, device=device)
+class _GraphSet:
+    """Graphs by bucket key, static (int64, int32) input buffers per bucket, one output buffer."""
+
+    pad_q = 1  # query tokens of a padding sequence
+    mixed = False  # attention by query count on the device (AttentionMetadata.mixed)
+
+    def __init__(self, model, device: torch.device, width: int, block_size: int, hidden: torch.Tensor):
+        self.model, self.device, self.width, self.block_size = model, device, width, block_size
+        self.hidden = hidden
         self.inputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.pool = None
+        self.buckets: list[int] = []
 
-    def _forward(self, bs: int) -> None:
-        i64, i32 = self.inputs[bs]
-        q = self.q
-        shape = StepBatch(query_lens=[q], seq_lens=[q])
-        ids, pos, meta = unpack(i64, i32, shape, bs, self.width, self.block_size, pad_q=q)
+    def _seqs_rows(self, key: int) -> tuple[int, int | None]:
+        """(padded sequence count, padded row count or None: as the padding sequences make it)."""
+        raise NotImplementedError
+
+    def _dummy(self) -> StepBatch:
+        """The capture batch: one sequence that writes nothing; a replay reads only the buffers."""
+        q = max(self.pad_q, 1)
+        return StepBatch([0] * q, list(range(q)), [-1] * q, [q], [q], [[0]])
+
+    def _forward(self, key: int, shape: StepBatch) -> None:
+        i64, i32 = self.inputs[key]
+        seqs, rows = self._seqs_rows(key)
+        args = (seqs, self.width, self.block_size, self.pad_q, rows, self.mixed)
+        ids, pos, meta = unpack(i64, i32, shape, *args)
         with attention_context(meta):
-            self.hidden[: bs * q] = self.model(ids, pos)
+            self.hidden[: ids.shape[0]] = self.model(ids, pos)
 
     @torch.inference_mode()
-    def capture(self) -> None:
-        """Largest bucket first, so smaller graphs reuse its pool memory."""
-        for bs in reversed(self.buckets):
-            q = self.q
-            one = StepBatch(
-                input_ids=[0] * q,
-                positions=list(range(q)),
-                slot_mapping=[-1] * q,
-                query_lens=[q],
-                seq_lens=[q],
-                block_tables=[[0]],
-            )
-            i64, i32 = pack(one, bs, self.width, pad_q=q)
-            self.inputs[bs] = (i64.to(self.device), i32.to(self.device))
-            self._forward(bs)  # warm-up: compiles every kernel for this shape outside capture
+    def capture(self, pool=None):
+        """Largest bucket first, so smaller graphs reuse its pool memory; returns the pool."""
+        shape = self._dummy()
+        for key in reversed(self.buckets):
+            seqs, rows = self._seqs_rows(key)
+            i64, i32 = pack(shape, seqs, self.width, self.pad_q, rows)
+            self.inputs[key] = (i64.to(self.device), i32.to(self.device))
+            self._forward(key, shape)  # warm-up: compiles every kernel for this shape outside capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self._forward(bs)
-            if self.pool is None:
-                self.pool = graph.pool()
-            self.graphs[bs] = graph
+            with torch.cuda.graph(graph, pool=pool):
+                self._forward(key, shape)
+            pool = pool if pool is not None else graph.pool()
+            self.graphs[key] = graph
         torch.cuda.synchronize()
+        return pool
 
-    def bucket(self, batch: int) -> int | None:
-        """The smallest captured batch size that holds `batch` decodes, or None when none does."""
-        return next((b for b in self.buckets if b >= batch), None)
-
-    def run(self, batch: StepBatch, upload: Uploader, fed_back=None, draft_ids=None) -> torch.Tensor:
+    def _replay(self, key: int, batch: StepBatch, upload: Uploader, fed_back, draft_ids) -> torch.Tensor:
         """Copy this step's inputs into the bucket's buffers, replay its graph, return the hidden rows
-        of the real tokens. `fed_back`: input ids still on the device (a step scheduled ahead);
-        `draft_ids`: (rows, ids) of proposals on the device; both written over the packed ids."""
-        n = len(batch.seq_lens)
-        bs = self.bucket(n)
-        i64, i32 = pack(batch, bs, self.width, pad_q=self.q)
-        static64, static32 = self.inputs[bs]
+        of the real tokens. `fed_back`: the input ids of an all-decode step still on the device (a step
+        scheduled ahead); `draft_ids`: (rows, ids) of proposals on the device; both written over the
+        packed ids (input_ids are the first rows of the int64 buffer)."""
+        seqs, rows = self._seqs_rows(key)
+        i64, i32 = pack(batch, seqs, self.width, self.pad_q, rows)
+        static64, static32 = self.inputs[key]
         upload("i64", i64, out=static64)
         upload("i32", i32, out=static32)
         if fed_back is not None:
-            static64[:n].copy_(fed_back)  # input_ids are the first rows of the int64 buffer
+            static64[: fed_back.shape[0]].copy_(fed_back)
         if draft_ids is not None:
             static64.index_copy_(0, *draft_ids)
-        self.graphs[bs].replay()
-        return self.hidden[: n * self.q]
+        self.graphs[key].replay()
+        return self.hidden[: len(batch.input_ids)]
+
+
+class DecodeGraphs(_GraphSet):
+    """Graphs by batch size for steps whose sequences all have `query_len` new tokens."""
+
+    def __init__(self, model, device, max_batch: int, width: int, block_size: int, hidden_size: int,
+                 dtype: torch.dtype, query_len: int = 1):  # fmt: skip
+        hidden = torch.zeros((max_batch * query_len, hidden_size), dtype=dtype, device=device)
+        super().__init__(model, device, width, block_size, hidden)
+        self.q = self.pad_q = query_len
+        self.buckets = [b for b in DEFAULT_BUCKETS if b < max_batch] + [max_batch]
+
+    def _seqs_rows(self, key: int) -> tuple[int, int | None]:
+        return key, None
+
+    def bucket(self, batch: int) -> int | None:
+        """The smallest captured batch size that holds `batch` sequences, or None when none does."""
+        return next((b for b in self.buckets if b >= batch), None)
+
+    def run(self, batch: StepBatch, upload: Uploader, fed_back=None, draft_ids=None) -> torch.Tensor:
+        return self._replay(self.bucket(len(batch.seq_lens)), batch, upload, fed_back, draft_ids)
+
+
+class MixedGraphs(_GraphSet):
+    """Graphs by token count for any step: a bucket of T tokens holds up to min(max_seqs, T) sequences."""
+
+    pad_q = 0
+    mixed = True
+
+    def __init__(self, model, device, max_tokens: int, max_seqs: int, width: int, block_size: int,
+                 hidden_size: int, dtype: torch.dtype):  # fmt: skip
+        top = min(max_tokens, TOKEN_BUCKETS[-1])  # bigger steps run eagerly: launches are a small share
+        hidden = torch.zeros((top, hidden_size), dtype=dtype, device=device)
+        super().__init__(model, device, width, block_size, hidden)
+        self.buckets = [t for t in TOKEN_BUCKETS if t < top] + [top]
+        self.max_seqs = max_seqs
+        self.replays = 0  # steps run through these graphs (tests and stats read it)
+
+    def _seqs_rows(self, key: int) -> tuple[int, int | None]:
+        return min(self.max_seqs, key), key
+
+    def bucket(self, rows: int, seqs: int) -> int | None:
+        """The smallest token bucket that holds `rows` tokens of `seqs` sequences, or None."""
+        return next((t for t in self.buckets if t >= rows and min(self.max_seqs, t) >= seqs), None)
+
+    def run(self, batch: StepBatch, upload: Uploader, fed_back=None, draft_ids=None) -> torch.Tensor:
+        key = self.bucket(len(batch.input_ids), len(batch.seq_lens))
+        self.replays += 1
+        return self._replay(key, batch, upload, fed_back, draft_ids)
 
 
 def forward_batch(
@@ -110,19 +152,23 @@ def forward_batch(
     block_size: int,
     fed_back: torch.Tensor | None = None,
     draft_ids: tuple[torch.Tensor, torch.Tensor] | None = None,
+    mixed: MixedGraphs | None = None,
 ) -> torch.Tensor:
     """One forward of a packed step: the captured graph of its query length (`graphs`, by query length)
-    when every sequence has the same one and a bucket fits, else eager. `fed_back`: the input ids of an
-    all-decode step, still on the device. `draft_ids`: (rows, ids) of proposals on the device, written
-    over the 0s packed at those input rows."""
+    when every sequence has the same one and a bucket fits, else a mixed graph (`mixed`) when a token
+    bucket fits, else eager. `fed_back`: the input ids of an all-decode step, still on the device.
+    `draft_ids`: (rows, ids) of proposals on the device, written over the 0s packed at those input rows."""
     n = len(batch.seq_lens)
     g = graphs.get(batch.uniform_q)
     if g is not None and g.bucket(n) is not None:
         return g.run(batch, upload, fed_back, draft_ids)
+    if mixed is not None and mixed.bucket(len(batch.input_ids), n) is not None:
+        return mixed.run(batch, upload, fed_back, draft_ids)
     width = table_width(batch)
     i64, i32 = pack(batch, n, width)
     i64, i32 = upload("i64", i64), upload("i32", i32)
-    input_ids, positions, meta = unpack(i64, i32, batch, n, width, block_size)
+    split = batch.uniform_q is None  # the same attention kernels as a mixed graph
+    input_ids, positions, meta = unpack(i64, i32, batch, n, width, block_size, mixed=split)
     if fed_back is not None:
         input_ids.copy_(fed_back)  # a step scheduled ahead is all decodes: one id per row
     if draft_ids is not None:

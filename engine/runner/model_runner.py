@@ -12,6 +12,8 @@ plain path does not look for them.
 from __future__ import annotations
 
 import functools
+import logging
+import time
 from collections.abc import Callable
 
 import torch
@@ -22,7 +24,7 @@ from engine.device.uploader import Uploader
 from engine.models.attention_context import AttentionMetadata, attention_context
 from engine.models.layers import Attention
 from engine.models.loader import load_model
-from engine.runner.cuda_graph import DecodeGraphs, forward_batch
+from engine.runner.cuda_graph import DecodeGraphs, MixedGraphs, forward_batch
 from engine.runner.draft_runner import DraftRunner
 from engine.runner.kv_cache import KVCacheSpec, allocate_kv_cache, kv_cache_dtype, plan_kv_cache
 from engine.runner.plain_draw import PlainDraw
@@ -33,6 +35,16 @@ from engine.sched.scheduler import SchedulerOutput
 from engine.spec.sampler import PendingSpec, SpecSampler
 from engine.structured.remote import ProcessBitmaskFiller
 from engine.structured.state import BitmaskFiller
+
+log = logging.getLogger(__name__)
+
+
+def _graph_summary(graphs: dict[int, DecodeGraphs], mixed: MixedGraphs | None) -> str:
+    """Which buckets were captured, for the start-up log."""
+    parts = [f"query length {q}: batch {g.buckets[0]}-{g.buckets[-1]}" for q, g in graphs.items()]
+    if mixed is not None:
+        parts.append(f"mixed: {mixed.buckets[0]}-{mixed.buckets[-1]} tokens")
+    return "; ".join(parts)
 
 
 class DeferredSample:
@@ -97,6 +109,7 @@ class ModelRunner:
         # unseeded sequences draw from stream (base, seq_id); the base follows load.seed (set above)
         self.draw = PlainDraw(sampler, bitmasks, self.upload, int(torch.randint(0, 2**62, (1,)).item()))
         max_batch = min(config.scheduler.max_num_seqs, 512)
+        self.mixed_graphs: MixedGraphs | None = None
         self.graphs_by_q = self._capture_graphs(config, max_batch)
         self.graphs: DecodeGraphs | None = self.graphs_by_q.get(1)
         self.spec: SpecStep | None = None  # speculative decoding: proposals and their verification
@@ -135,18 +148,31 @@ class ModelRunner:
             layer.k_cache, layer.v_cache = k_cache, v_cache
 
     def _capture_graphs(self, config: EngineConfig, max_batch: int) -> dict[int, DecodeGraphs]:
-        """CUDA graphs by query length: 1 (decode) and, when speculating, k + 1 (verification)."""
+        """CUDA graphs: mixed steps by token count (config.load.mixed_graphs), then uniform steps by
+        batch size and query length, 1 (decode) and, when speculating, k + 1 (verification), all in
+        one memory pool. Logs their count, capture time and memory."""
         if self.device.type != "cuda" or config.load.enforce_eager:
             return {}
-        spec = config.speculative
+        start, free = time.perf_counter(), torch.cuda.mem_get_info(self.device)[0]
         width, hidden = -(-self.max_model_len // self.block_size), self.model_config.hidden_size
+        pool = None
+        if config.load.mixed_graphs:
+            tokens = config.scheduler.max_num_batched_tokens
+            self.mixed_graphs = MixedGraphs(self.model, self.device, tokens, max_batch, width,
+                                            self.block_size, hidden, self.dtype)  # fmt: skip
+            pool = self.mixed_graphs.capture()
+        spec = config.speculative
         graphs = {}
         for q in [1] + ([spec.num_speculative_tokens + 1] if spec is not None else []):
             g = DecodeGraphs(
                 self.model, self.device, max_batch, width, self.block_size, hidden, self.dtype, q
             )
-            g.capture()
+            pool = g.capture(pool)
             graphs[q] = g
+        count = sum(len(g.graphs) for g in [*graphs.values(), self.mixed_graphs] if g is not None)
+        used = (free - torch.cuda.mem_get_info(self.device)[0]) / 2**20
+        log.info("captured %d CUDA graphs (%s) in %.1f s, %.0f MiB", count,
+                 _graph_summary(graphs, self.mixed_graphs), time.perf_counter() - start, used)  # fmt: skip
         return graphs
 
     # ------------------------------------------------------------------ one step
@@ -164,8 +190,9 @@ class ModelRunner:
         fed_back = self._fed_back(out, prev)
         draft_ids = None if proposals is None else proposals.draft_ids
         hidden = forward_batch(
-            self.model, self.graphs_by_q, self.upload, batch, self.block_size, fed_back, draft_ids
-        )
+            self.model, self.graphs_by_q, self.upload, batch, self.block_size, fed_back, draft_ids,
+            self.mixed_graphs,
+        )  # fmt: skip
         scores = None
         if out.prompt_logprob_chunks:  # prompt logprobs: only steps with a request that asks
             plan = prompt_logprob_rows(out, batch)

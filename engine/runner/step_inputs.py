@@ -174,18 +174,23 @@ class Layout:
         return self.seq_lens_at + _up(self.num_seqs, 4)
 
 
-def pack(b: StepBatch, num_seqs: int, width: int, pad_q: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def pack(
+    b: StepBatch, num_seqs: int, width: int, pad_q: int = 1, rows: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The two host buffers, padded to `num_seqs` sequences (>= the real count; padding only for
-    CUDA-graph steps, whose sequences all have `pad_q` query tokens) and block-table width `width`."""
+    CUDA-graph steps) and block-table width `width`. Padding sequences have `pad_q` query tokens and
+    seq_len pad_q (a uniform-query graph), or, for a mixed graph (pad_q 0), none and seq_len 0, with
+    the rows padded to `rows` (rows past the real ones belong to no sequence)."""
     pad = num_seqs - len(b.seq_lens)
-    rows = len(b.input_ids) + pad * pad_q
+    if rows is None:
+        rows = len(b.input_ids) + pad * pad_q
     lay = Layout(rows, num_seqs)
     r = lay.row_stride
     i64 = np.zeros(3 * r, dtype=np.int64)
     i64[: len(b.input_ids)] = b.input_ids
     i64[r : r + len(b.positions)] = b.positions
     i64[2 * r : 2 * r + len(b.slot_mapping)] = b.slot_mapping
-    i64[2 * r + rows - pad * pad_q : 2 * r + rows] = -1  # padding tokens write nothing
+    i64[2 * r + len(b.slot_mapping) : 2 * r + rows] = -1  # padding tokens write nothing
     i32 = np.zeros(lay.tables_at + num_seqs * width, dtype=np.int32)
     i32[1 : len(b.query_lens) + 1] = np.cumsum(b.query_lens)
     i32[len(b.query_lens) + 1 : num_seqs + 1] = i32[len(b.query_lens)] + pad_q * np.arange(1, pad + 1)
@@ -204,10 +209,14 @@ def unpack(
     width: int,
     block_size: int,
     pad_q: int = 1,
+    rows: int | None = None,
+    mixed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-    """(input_ids, positions, metadata) as views into the two buffers, on whatever device they are."""
+    """(input_ids, positions, metadata) as views into the two buffers, on whatever device they are;
+    padding as `pack` made it. `mixed`: attention splits the batch by query count on the device
+    (AttentionMetadata.mixed), which any batch allows and a mixed graph needs."""
     pad = num_seqs - len(b.seq_lens)
-    lay = Layout(sum(b.query_lens) + pad * pad_q, num_seqs)
+    lay = Layout(sum(b.query_lens) + pad * pad_q if rows is None else rows, num_seqs)
     rows, r = lay.rows, lay.row_stride
     meta = AttentionMetadata(
         cu_seqlens_q=i32[: num_seqs + 1],
@@ -219,5 +228,6 @@ def unpack(
         max_seqlen_q=max(b.query_lens),
         max_seqlen_k=max(b.seq_lens) if pad == 0 else width * block_size,
         block_size=block_size,
+        mixed=mixed,
     )
     return i64[:rows], i64[r : r + rows], meta
