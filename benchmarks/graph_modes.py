@@ -23,7 +23,7 @@ import statistics
 import time
 from pathlib import Path
 
-from benchmarks.common import environment, write_report
+from benchmarks.common import environment, write_json
 
 CASES = [(64, 512, 16), (64, 512, 256), (128, 1024, 512), (32, 256, 1024), (200, 700, 1800)]
 
@@ -164,9 +164,12 @@ def main() -> None:
     flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items())
     command = f"python -m benchmarks.graph_modes {flags}"
     md = to_markdown(args.model, rows, env, command)
-    write_report(
-        Path(args.out) / f"graph_modes_{args.model}", {"rows": rows, "env": env, "command": command}, md
-    )
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"graph_modes_{args.model}"  # the model's dots are no suffix: no Path.with_suffix
+    write_json(out / f"{stem}.json", {"rows": rows, "env": env, "command": command})
+    (out / f"{stem}.md").write_text(md)
+    print(md)
 
 
 if __name__ == "__main__":

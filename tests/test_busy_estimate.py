@@ -50,7 +50,7 @@ class Clock:
 
 def _estimator(window_s: float = 5.0):
     device, clock = FakeDevice(), Clock()
-    return BusyEstimate(device.event, window_s=window_s, clock=clock), device, clock
+    return BusyEstimate(device.event, window_s=window_s, clock=clock, sample_every=1), device, clock
 
 
 def _step(busy: BusyEstimate, device: FakeDevice, span_ms: float, gap_ms: float = 0.0) -> None:
@@ -92,6 +92,19 @@ def test_completed_spans_over_the_wall_window():
     assert busy.estimate() == pytest.approx(sum(s for t, s in seen if t >= clock.t - 5.0) / 5.0)
     clock.t += 5.0
     assert busy.estimate() == 0.0
+
+
+def test_one_step_in_k_is_timed_and_stands_for_k():
+    """sample_every=4: a quarter of the steps record events, and the estimate scales their spans by 4,
+    so steps of equal span give the same figure as timing every step."""
+    device, clock = FakeDevice(), Clock()
+    busy = BusyEstimate(device.event, window_s=5.0, clock=clock, sample_every=4)
+    for _ in range(40):  # as above: 30 ms of device time per 100 ms of wall
+        _step(busy, device, 30.0, gap_ms=70.0)
+        device.done_ms = device.now_ms
+        clock.t += 0.1
+    assert device.made <= 2 * 10  # ten timed steps, two events each at most (then reused)
+    assert busy.estimate() == pytest.approx(0.3)
 
 
 def test_pairs_not_yet_complete_are_ignored_until_they_are():

@@ -64,3 +64,15 @@ def test_mixed_graph_padding(num_seqs: int, seqs: int, rows: int):
     assert meta.seq_lens.tolist() == b.seq_lens + [0] * (seqs - num_seqs)
     for view in (ids, pos, meta.slot_mapping, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables):
         assert (view.data_ptr() - view.untyped_storage().data_ptr()) % 16 == 0
+
+
+@pytest.mark.parametrize("pad_q,rows", [(1, None), (0, 64)])
+def test_real_tables_only_is_a_prefix_of_the_full_buffers(pad_q: int, rows: int | None):
+    """A graph uploads only up to the real sequences' table rows: that prefix equals the full buffer's."""
+    b = _batch(random.Random(3), 5, decode=pad_q == 1)
+    full64, full32 = pack(b, 16, 32, pad_q, rows)
+    part64, part32 = pack(b, 16, 32, pad_q, rows, real_tables_only=True)
+    assert part64.tolist() == full64.tolist()
+    assert part32.numel() < full32.numel()
+    assert part32.tolist() == full32[: part32.numel()].tolist()
+    assert (full32[part32.numel() :] == 0).all()  # the rest: padding rows, never read

@@ -8,9 +8,12 @@ step whose draw waits on host work, the wait), so this is an upper bound of the 
 (engine/core/kernel_trace.py, the union of kernel intervals). When every step is one graph replay the
 two come close: only the graph's own gaps between kernels remain, small next to a model's kernels.
 
-Host cost per step: two event records and a deque append, and a query() of the oldest pending pair
-or two; nothing ever synchronizes. A pair counts once its end event has completed, at the time this
-estimator sees it complete (the next step's `end`, or a stats read). Without CUDA there is no
+Only one step in `sample_every` is timed, and its span stands for that many steps: timing every
+step would add host work to every step, which costs throughput wherever the host is the bottleneck
+(a small model's batch-1 decode). Host cost per timed step: two event records and a deque append,
+and a query() of the oldest pending pair or two; nothing ever synchronizes. A pair counts once its
+end event has completed, at the time this estimator sees it complete (the next timed step's `end`,
+or a stats read). Without CUDA there is no
 estimate (None).
 """
 
@@ -22,6 +25,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 WINDOW_S = 5.0  # the wall time the estimate covers
+SAMPLE_EVERY = 16  # steps per timed step: a window of a few seconds still holds many timed steps
 MAX_PENDING = 64  # pairs not yet complete; a device this far behind is not timed pair by pair
 
 
@@ -43,8 +47,10 @@ class BusyEstimate:
         new_event: Callable[[], TimingEvent] | None,
         window_s: float = WINDOW_S,
         clock: Callable[[], float] = time.monotonic,
+        sample_every: int = SAMPLE_EVERY,
     ):
         self._new_event, self.window_s, self._clock = new_event, window_s, clock
+        self.sample_every, self._steps = sample_every, 0
         self._open: TimingEvent | None = None  # the begun step's start event
         self._pending: deque[tuple[TimingEvent, TimingEvent]] = deque()  # recorded, in stream order
         self._done: deque[tuple[float, float]] = deque()  # (seen complete at, span seconds)
@@ -62,13 +68,16 @@ class BusyEstimate:
         return cls(lambda: torch.cuda.Event(enable_timing=True))
 
     def begin(self) -> None:
-        """Just before a step's work is enqueued."""
+        """Just before a step's work is enqueued (only every sample_every-th step is timed)."""
         if self._new_event is None:
+            return
+        if self._since is None:
+            self._since = self._clock()
+        self._steps += 1
+        if self._steps % self.sample_every:
             return
         self._open = self._event()
         self._open.record()
-        if self._since is None:
-            self._since = self._clock()
 
     def end(self) -> None:
         """Just after the step's last kernel is enqueued; a step that was not begun is ignored."""
@@ -90,7 +99,7 @@ class BusyEstimate:
         if self._since is None:
             return 0.0
         wall = min(self.window_s, self._clock() - self._since)
-        return min(1.0, max(0.0, self._sum / wall)) if wall > 0 else 0.0
+        return min(1.0, max(0.0, self._sum * self.sample_every / wall)) if wall > 0 else 0.0
 
     def _collect(self) -> None:
         """Move completed pairs (the stream completes them in order) into the window; forget old ones."""

@@ -83,10 +83,10 @@ class _GraphSet:
         scheduled ahead); `draft_ids`: (rows, ids) of proposals on the device; both written over the
         packed ids (input_ids are the first rows of the int64 buffer)."""
         seqs, rows = self._seqs_rows(key)
-        i64, i32 = pack(batch, seqs, self.width, self.pad_q, rows)
+        i64, i32 = pack(batch, seqs, self.width, self.pad_q, rows, real_tables_only=True)
         static64, static32 = self.inputs[key]
         upload("i64", i64, out=static64)
-        upload("i32", i32, out=static32)
+        upload("i32", i32, out=static32[: i32.numel()])  # the padding rows' tables are never needed
         if fed_back is not None:
             static64[: fed_back.shape[0]].copy_(fed_back)
         if draft_ids is not None:

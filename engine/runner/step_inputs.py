@@ -175,12 +175,21 @@ class Layout:
 
 
 def pack(
-    b: StepBatch, num_seqs: int, width: int, pad_q: int = 1, rows: int | None = None
+    b: StepBatch,
+    num_seqs: int,
+    width: int,
+    pad_q: int = 1,
+    rows: int | None = None,
+    real_tables_only: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The two host buffers, padded to `num_seqs` sequences (>= the real count; padding only for
     CUDA-graph steps) and block-table width `width`. Padding sequences have `pad_q` query tokens and
     seq_len pad_q (a uniform-query graph), or, for a mixed graph (pad_q 0), none and seq_len 0, with
-    the rows padded to `rows` (rows past the real ones belong to no sequence)."""
+    the rows padded to `rows` (rows past the real ones belong to no sequence).
+
+    real_tables_only: the int32 buffer ends after the real sequences' table rows, a prefix of the full
+    one for a graph's static buffer: the padding rows there keep what an earlier step left, block ids
+    of the pool, which a padding sequence reads at most one key of and never uses."""
     pad = num_seqs - len(b.seq_lens)
     if rows is None:
         rows = len(b.input_ids) + pad * pad_q
@@ -191,11 +200,12 @@ def pack(
     i64[r : r + len(b.positions)] = b.positions
     i64[2 * r : 2 * r + len(b.slot_mapping)] = b.slot_mapping
     i64[2 * r + len(b.slot_mapping) : 2 * r + rows] = -1  # padding tokens write nothing
-    i32 = np.zeros(lay.tables_at + num_seqs * width, dtype=np.int32)
+    table_rows = len(b.block_tables) if real_tables_only else num_seqs
+    i32 = np.zeros(lay.tables_at + table_rows * width, dtype=np.int32)
     i32[1 : len(b.query_lens) + 1] = np.cumsum(b.query_lens)
     i32[len(b.query_lens) + 1 : num_seqs + 1] = i32[len(b.query_lens)] + pad_q * np.arange(1, pad + 1)
     i32[lay.seq_lens_at : lay.seq_lens_at + num_seqs] = b.seq_lens + [pad_q] * pad
-    tables = i32[lay.tables_at :].reshape(num_seqs, width)
+    tables = i32[lay.tables_at :].reshape(table_rows, width)
     for row, blocks in zip(tables, b.block_tables):
         row[: len(blocks)] = blocks  # entries past a sequence's last block are never read
     return torch.from_numpy(i64), torch.from_numpy(i32)
