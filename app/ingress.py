@@ -27,10 +27,13 @@ from app import routing_table, security
 from app.engine_client import EngineClient, EngineStream, StreamsResponse, call_failure, cancel_all, merge
 from app.errors import ApiError, from_engine_error, internal
 from app.http_errors import install_error_handlers, reject
+from app.ingress_timing import FirstText, arrival_time
 from app.metrics import IngressMetrics
 from app.prefix_keys import PrefixKeys
 from app.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from app.responses import ModelCard, ModelList
+from app.responses_api import ResponsesRequest, refusal, renamed
+from app.responses_stream import ResponsesOutput
 from app.sse import DONE, ResponseAssembler, item_error, sse_error
 from app.structured import ToolChoice
 from app.tool_calls import PARSERS, ToolParsing
@@ -53,26 +56,6 @@ install_hooks(api)
 
 
 install_error_handlers(api)
-
-
-# Defined before the deployment class: Serve pickles the class with the module globals it sees then.
-class FirstText:
-    """Observes a response's TTFT once, at the first engine item that carries generated text: where a
-    client's TTFT ends. Streaming, right after the HTTP server took the chunk that carries it."""
-
-    def __init__(self, metrics: IngressMetrics, arrival: float):
-        self._metrics, self._arrival, self._done = metrics, arrival, False
-
-    def seen(self, item: dict) -> None:
-        if not self._done and any(s["text"] for s in item["outputs"]):
-            self._done = True
-            self._metrics.first_text(self._arrival)
-
-
-def arrival_time(request: Request) -> float:
-    """When the ingress received the request: the security middleware stamps it before reading the
-    body; time.time(), because the engine replica and core compare it with their own time.time()."""
-    return getattr(request.state, "arrival_time", None) or time.time()
 
 
 @serve.deployment(name="Ingress")
@@ -171,6 +154,20 @@ class Ingress:
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
+        return await self._chat(body, request)
+
+    @api.post("/v1/responses")
+    async def responses(self, body: ResponsesRequest, request: Request) -> Response:
+        """OpenAI's Responses API, answered as the chat request it translates to (app/responses_api.py)."""
+        try:
+            chat = body.chat_request()
+        except InvalidRequestError as exc:
+            return reject(request, refusal(exc))
+        return renamed(await self._chat(chat, request, body))
+
+    async def _chat(
+        self, body: ChatCompletionRequest, request: Request, responses: ResponsesRequest | None = None
+    ) -> Response:
         arrival = arrival_time(request)
         if body.model != self._model:
             return reject(request, self._unknown_model(body.model))
@@ -179,6 +176,10 @@ class Ingress:
             tools = self._tool_parsing(body.constraints()[1])
         except InvalidRequestError as exc:
             return reject(request, from_engine_error(exc, self._retry_after))
+        reasoning = body.reasoning(self._reasoning_default)
+        if responses is not None:
+            out = ResponsesOutput(responses, self._model, reasoning, tools)
+            return await self._respond(request, [prompt], params, out, body, arrival, False)
         out = ResponseAssembler(
             True,
             f"chatcmpl-{uuid.uuid4().hex}",
@@ -188,7 +189,7 @@ class Ingress:
             logprobs=body.logprobs,
             prompt_logprobs=body.prompt_logprobs is not None,
             continuous_usage=body.continuous_usage,
-            reasoning=body.reasoning(self._reasoning_default),
+            reasoning=reasoning,
             tools=tools,
         )
         return await self._respond(request, [prompt], params, out, body, arrival, False)
@@ -262,6 +263,8 @@ class Ingress:
             out.set_prompt(s.index, s.accepted)
         ttft = FirstText(self._metrics, arrival)
         if body.stream:
+            if isinstance(out, ResponsesOutput):
+                return StreamsResponse(out.events(streams, ttft.seen), streams)
             return StreamsResponse(self._sse(streams, out, body.include_usage, ttft), streams)
         try:
             async for index, item in merge(streams):

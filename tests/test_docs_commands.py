@@ -3,6 +3,7 @@
 How a command is checked (tests/docs_commands.py finds them), without running it:
 - `python -m MODULE ARGS`: MODULE's own argparse parser accepts ARGS, in one child process that stops
   each program right after parsing; a module without argparse must at least exist;
+- `minserve ARGS` (the console script of app/cli.py): as `python -m app.cli ARGS`;
 - `python -m pytest ARGS`: each marker named by `-m` is registered and each path exists;
 - `make TARGET...`: `make -n TARGET...` succeeds;
 - `serve run|deploy CONFIG`: the YAML parses and its application builds as `serve run` builds it;
@@ -47,6 +48,8 @@ def plan(shown: Shown) -> tuple[str, object]:
         return "pytest", words[3:]
     if words[:2] == ["python", "-m"] and len(words) > 2:
         return "module", {"module": words[2], "argv": words[3:]}
+    if words[0] == "minserve" and len(words) > 1:
+        return "module", {"module": "app.cli", "argv": words[1:]}
     if words[0] == "make" and len(words) > 1:
         return "make", words[1:]
     if words[0] == "serve" and words[1:2] in (["run"], ["deploy"]) and len(words) > 2:

@@ -30,6 +30,7 @@ from collections import OrderedDict
 
 from engine.errors import InvalidRequestError
 from engine.sampling_params import StructuredOutput
+from engine.structured.ecma_regex import ecma_classes, lark_regexes, schema_patterns
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 CACHE_SIZE = 256  # prototypes kept per tokenizer
@@ -100,18 +101,19 @@ def _schema_text(so: StructuredOutput) -> str:
 
 
 def grammar_text(kind: str, spec: str) -> str:
-    """llguidance's grammar for (kind, canonical spec)."""
+    """llguidance's grammar for (kind, canonical spec), its regexes read as ECMAScript reads them
+    (engine/structured/ecma_regex.py); ValueError for a regex feature llguidance cannot compile."""
     import llguidance
 
     if kind == "json":
-        return llguidance.LLMatcher.grammar_from_json_schema(spec, defaults=JSON_LAYOUT)
+        return llguidance.LLMatcher.grammar_from_json_schema(schema_patterns(spec), defaults=JSON_LAYOUT)
     if kind == "json_object":
         return llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=JSON_LAYOUT)
     if kind == "regex":
-        return llguidance.LLMatcher.grammar_from_regex(spec)
+        return llguidance.LLMatcher.grammar_from_regex(ecma_classes(spec))
     if kind == "choice":
         return llguidance.grammar_from("choice", spec)
-    return llguidance.LLMatcher.grammar_from_lark(spec)
+    return llguidance.LLMatcher.grammar_from_lark(lark_regexes(spec))
 
 
 def limits():
@@ -235,7 +237,7 @@ def _explain(kind: str, error: str) -> str:
     hints = {
         "json": "use only the JSON-schema features llguidance implements (see its json_schema docs)",
         "json_object": "",
-        "regex": "fix the regular expression (Rust regex syntax, no look-around or back-references)",
+        "regex": "fix the regular expression (ECMAScript classes, no look-around or back-references)",
         "choice": "",
         "grammar": "fix the Lark grammar (llguidance's Lark syntax, with a `start` rule)",
     }
