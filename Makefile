@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 MODEL_DIR ?= models/tiny-llama
 
-.PHONY: serve test test-long test-clients lint format model bench-gpu clean
+.PHONY: serve test test-long test-clients restart-check lint format model bench-gpu clean
 
 .venv/.installed: pyproject.toml scripts/setup_venv.sh
 	bash scripts/setup_venv.sh
@@ -48,6 +48,11 @@ $(CLIENTS)/.installed: .venv/.installed pyproject.toml
 test-clients: .venv/.installed $(MODEL_DIR)/config.json $(CLIENTS)/.installed
 	MINSERVE_CLIENTS_PYTHON=$(CLIENTS)/bin/python MINSERVE_CLIENTS_REQUIRED=1 \
 		$(PY) -m pytest -q -p no:cacheprovider tests/test_clients.py -k "real_lm_eval or real_guidellm"
+
+# Ctrl-C and restart of `serve run serve_config.yaml` ten times on one port (issue 51's check): every
+# round must return within 10 s and leave no process and no bound port.
+restart-check: .venv/.installed $(MODEL_DIR)/config.json
+	$(PY) -m scripts.restart_check --rounds 10 --out benchmarks/reports/restart_check_cpu
 
 clean:
 	rm -rf .venv models .pytest_cache .ruff_cache
