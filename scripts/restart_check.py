@@ -11,6 +11,8 @@ does and checks that
     --bound-s of the Ctrl-C, and no process anywhere listens on the port (a HAProxy reload can run in a
     session of its own);
   * the port is free, so the next round can bind it.
+With --kill-after-s S the Ctrl-C is followed, S seconds later, by SIGKILL of `serve run`'s process group
+(a second Ctrl-C's supervisor): the same must hold.
 Exit 1 unless every round passes. Writes PREFIX.json and PREFIX.md (times per round, what was left).
 """
 
@@ -88,33 +90,47 @@ def healthy(url: str) -> bool:
         return False
 
 
-def one_round(config: Path, port: int, log: Path, bound_s: float) -> dict:
+def one_round(config: Path, port: int, log: Path, args) -> dict:
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "RAY_ADDRESS": "local", "PYTHONPATH": str(ROOT)}
     with open(log, "w") as out:
         proc = subprocess.Popen([*SERVE, "run", str(config)], cwd=ROOT, env=env, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
         up_s = wait_for(lambda: healthy(url), 240)
-        answer = httpx.post(f"{url}/v1/completions", json=PROMPT, timeout=60) if up_s is not None else None
-        served = (
-            answer is not None and answer.status_code == 200 and bool(answer.json()["choices"][0]["text"])
-        )
+        served = up_s is not None and answers(url)
         start = time.monotonic()
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        exit_s = time.monotonic() - start
-        empty_s = wait_for(lambda: not session_pids(proc.pid), max(0.0, bound_s - exit_s))
+        exit_s = stop(proc, args.kill_after_s)
+        empty_s = wait_for(lambda: not session_pids(proc.pid), max(0.5, args.bound_s - exit_s))
     left = sorted(set(session_pids(proc.pid)) | set(listeners(port)))
     result = {"up_s": up_s, "served": served, "ctrl_c_exit_s": round(exit_s, 2),
-              "all_gone_s": None if empty_s is None else round(exit_s + empty_s, 2),
+              "all_gone_s": None if empty_s is None else round(time.monotonic() - start, 2),
               "left_pids": left, "port_bound_after": port_answers(port)}  # fmt: skip
-    result["ok"] = bool(served and exit_s <= bound_s and not left and not result["port_bound_after"])
+    result["ok"] = bool(served and exit_s <= args.bound_s and not left and not result["port_bound_after"])
     for pid in left:  # the next round must start clean whatever this one left
         _kill(pid)
     return result
+
+
+def answers(url: str) -> bool:
+    """The README's completion request gets a 200 with text."""
+    answer = httpx.post(f"{url}/v1/completions", json=PROMPT, timeout=60)
+    return answer.status_code == 200 and bool(answer.json()["choices"][0]["text"])
+
+
+def stop(proc: subprocess.Popen, kill_after_s: float | None) -> float:
+    """Ctrl-C; with kill_after_s, SIGKILL of the whole process group that long after, as an impatient
+    second Ctrl-C's supervisor would. Returns the seconds until `serve run` was gone (and reaped)."""
+    start = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(120 if kill_after_s is None else kill_after_s)
+    except subprocess.TimeoutExpired:
+        if kill_after_s is None:
+            proc.kill()
+        else:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    return time.monotonic() - start
 
 
 def _kill(pid: int) -> None:
@@ -127,9 +143,11 @@ def _kill(pid: int) -> None:
 def report(rounds: list[dict], args) -> tuple[dict, str]:
     ok = sum(r["ok"] for r in rounds)
     data = {"command": " ".join(["python -m scripts.restart_check", *sys.argv[1:]]), "bound_s": args.bound_s,
-            "rounds": rounds, "passed": ok, "of": len(rounds)}  # fmt: skip
+            "kill_after_s": args.kill_after_s, "rounds": rounds, "passed": ok, "of": len(rounds)}  # fmt: skip
     lines = [f"# Ctrl-C and restart of `serve run`: {ok} of {len(rounds)} rounds clean", "",
-             f"`{data['command']}`; bound {args.bound_s:g} s; one port for every round.", "",
+             f"`{data['command']}`; bound {args.bound_s:g} s; one port for every round"
+             + ("." if args.kill_after_s is None else
+                f"; SIGKILL of serve run's process group {args.kill_after_s:g} s after each Ctrl-C."), "",
              "| round | up | served | Ctrl-C returned | all processes gone | left | port bound after | ok |",
              "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for i, r in enumerate(rounds, 1):
@@ -146,6 +164,8 @@ def main() -> int:
     p.add_argument("--bound-s", type=float, default=10.0, help="Ctrl-C to return, and everything to go")
     p.add_argument("--model", type=Path, default=ROOT / "models" / "tiny-llama")
     p.add_argument("--port", type=int, default=0, help="0: a free port, the same for every round")
+    kill_help = "SIGKILL serve run's process group this long after Ctrl-C (default: never)"
+    p.add_argument("--kill-after-s", type=float, default=None, help=kill_help)
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "reports" / "restart_check_cpu")
     args = p.parse_args()
     port = args.port or free_port()
@@ -154,7 +174,7 @@ def main() -> int:
     config = write_config(args.model.resolve(), port, workdir)
     rounds = []
     for i in range(args.rounds):
-        rounds.append(one_round(config, port, workdir / f"serve_{i}.log", args.bound_s))
+        rounds.append(one_round(config, port, workdir / f"serve_{i}.log", args))
         print(f"round {i + 1}: {rounds[-1]}", flush=True)
     data, text = report(rounds, args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
