@@ -11,55 +11,18 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
-import yaml
 
+from scripts.restart_check import SERVE, healthy, port_answers, session_pids, write_config
 from tests.serving_fixtures import ROOT, _free_port, process_alive, serve_test_env, wait_until
 
 pytestmark = [pytest.mark.serving, pytest.mark.slow]
 # Ctrl-C's bound in this test, with the suite's load beside it (the restart check's bound is 10 s)
 CTRL_C_BOUND_S = 20.0
-# SIGINT raises KeyboardInterrupt also when this test runs where SIGINT is ignored (a background job)
-SERVE = [
-    sys.executable,
-    "-c",
-    "import signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
-    "from ray.serve.scripts import cli; cli()",
-]
-
-
-def _session_pids(sid: int) -> list[int]:
-    """Processes left in the session `serve run` was started in (Ray workers and our cores)."""
-    out = subprocess.run(["ps", "-eo", "pid=,sid="], capture_output=True, text=True).stdout
-    return [int(p) for p, s in (line.split() for line in out.splitlines()) if int(s) == sid]
-
-
-def _port_answers(port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=5).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
-def _config(tmp_path: Path, model_dir: Path, port: int) -> Path:
-    config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
-    config["http_options"]["port"] = port
-    config["applications"][0]["args"]["model"] = str(model_dir)
-    path = tmp_path / "serve_config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
 
 
 def test_no_core_outlives_its_replica_or_the_server(tiny_model_dir, tmp_path):
@@ -74,15 +37,15 @@ def test_no_core_outlives_its_replica_or_the_server(tiny_model_dir, tmp_path):
     }
     log = open(tmp_path / "serve.log", "w")
     proc = subprocess.Popen(
-        [*SERVE, "run", str(_config(tmp_path, tiny_model_dir, port))],
+        [*SERVE, "run", str(write_config(tiny_model_dir, port, tmp_path))],
         cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
     try:
-        wait_until(lambda: _healthy(url), 180, "serve run to come up")
+        wait_until(lambda: healthy(url), 180, "serve run to come up")
         first = httpx.get(f"{url}/v1/engine/stats", timeout=10).json()
         os.kill(first["pid"], signal.SIGKILL)  # the engine replica
         wait_until(lambda: not process_alive(first["core_pid"]), 10, "the core of the killed replica to exit")
-        wait_until(lambda: _healthy(url), 180, "Serve to replace the killed replica")
+        wait_until(lambda: healthy(url), 180, "Serve to replace the killed replica")
         second = httpx.get(f"{url}/v1/engine/stats", timeout=10).json()
         assert second["core_pid"] != first["core_pid"] and process_alive(second["core_pid"])
 
@@ -92,10 +55,10 @@ def test_no_core_outlives_its_replica_or_the_server(tiny_model_dir, tmp_path):
         # Serve's default draining period made this 32 s here; `make restart-check` holds it to 10 s
         assert time.monotonic() - start < CTRL_C_BOUND_S, "Ctrl-C waited for the controller's timeout"
         wait_until(lambda: not process_alive(second["core_pid"]), 30, "Ctrl-C to end the core")
-        wait_until(lambda: not _session_pids(proc.pid), 30, "every process of serve run's session to exit")
-        assert not _port_answers(port), "the port is still bound after Ctrl-C"
+        wait_until(lambda: not session_pids(proc.pid), 30, "every process of serve run's session to exit")
+        assert not port_answers(port), "the port is still bound after Ctrl-C"
     finally:
-        for pid in _session_pids(proc.pid):
+        for pid in session_pids(proc.pid):
             os.kill(pid, signal.SIGKILL)
         if proc.poll() is None:
             proc.kill()

@@ -23,21 +23,12 @@ from app.responses_stream import ResponsesOutput
 from app.tool_calls import ToolParsing
 from tests.serving_fixtures import Server
 from tests.test_clients import _run_client
+from tests.test_serving_tools import WEATHER as CHAT_WEATHER
 from tests.wire_items import wire_item
 
 pytestmark = [pytest.mark.serving, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
-WEATHER = {
-    "type": "function",
-    "name": "get_weather",
-    "description": "Current weather for a city",
-    "parameters": {
-        "type": "object",
-        "properties": {"city": {"enum": ["Paris", "Tokyo"]}, "celsius": {"type": "boolean"}},
-        "required": ["city", "celsius"],
-        "additionalProperties": False,
-    },
-    "strict": True,
-}
+# test_serving_tools' function in the Responses shape: its fields at the top level, strict
+WEATHER = {"type": "function", **CHAT_WEATHER["function"], "strict": True}
 ASK = "What is the weather in Paris?"
 EVENTS = pydantic.TypeAdapter(ResponseStreamEvent)
 
