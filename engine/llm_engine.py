@@ -5,8 +5,8 @@ step():  schedule -> run the model -> postprocess (engine/output/sink.py)
 The offline API (engine/llm.py) drives it in its own process; the server drives it in the engine core
 process (engine/core/process.py) with detokenize=False and `step_records`, which leave text to the replica.
 
-With async scheduling, a decode step is followed on the device by the next one, launched before the
-host has seen the first one's tokens, so the device never waits for the host's token and text work.
+With async scheduling, each step is followed on the device by the next one, launched before the host
+has seen the first one's tokens, so the device never waits for the host's token and text work.
 """
 
 from __future__ import annotations
@@ -154,8 +154,9 @@ class LLMEngine:
 
         While the device computes this step, the host turns the previous step's tokens into text and
         outputs (`TokenSink.emit`), so that work costs no GPU time; outputs therefore trail tokens by
-        one step. A decode step also gets its successor launched behind it (`_launch_next`) before its
-        tokens are waited for: the next call runs that one instead of scheduling afresh.
+        one step. Each step also gets its successor launched behind it (`_launch_next`) before its tokens
+        are waited for, where the scheduler allows: the next call runs that one instead of scheduling
+        afresh.
         """
         return self._step(self.sink.emit, self._with_final_outputs)
 
@@ -177,8 +178,7 @@ class LLMEngine:
         # The step after this one is scheduled now and launched behind it, fed its sampled ids on the
         # device. A deferred draw has its mask fill running (begun by the previous call): it is joined
         # only after the scheduling, and after the emit when the emit comes first.
-        run_ahead = step.draw is not None and self._may_run_ahead()
-        nxt = self.scheduler.schedule_ahead(step.out) if run_ahead else None
+        nxt = self._schedule_ahead(step.out)
         outputs = None
         if emit_first and step.deferred:
             outputs = emit()  # the device is still on this step's forward: it cannot sample before the join
@@ -210,10 +210,15 @@ class LLMEngine:
             self.speculator.prepare(self.scheduler.running)
         return self._launch(self.scheduler.schedule())
 
-    def _may_run_ahead(self) -> bool:
-        """A step scheduled ahead cannot speculate (its inputs are not on the host yet): none is while
-        some sequence would."""
-        return self.speculator is None or self.speculator.idle(self.scheduler.running)
+    def _schedule_ahead(self, prev: SchedulerOutput) -> SchedulerOutput | None:
+        """The step after `prev`, or None. A step scheduled ahead cannot speculate (its inputs are not on
+        the host yet): none is while some sequence would, judged on the host's state, one step behind.
+        So a speculating engine runs only decodes ahead (as they were, the state stays right), and a
+        draft model mirrors no step scheduled ahead (engine/runner/draft_runner.py): a prompt chunk it
+        missed would leave its KV stale."""
+        if self.speculator is not None and not self.speculator.idle(self.scheduler.running):
+            return None
+        return self.scheduler.schedule_ahead(prev, decodes_only=self.speculator is not None)
 
     def _launch_next(self, nxt: SchedulerOutput | None, prev: Draw | None) -> InFlightStep | None:
         """Launch a step scheduled ahead, its input ids the previous step's samples (`prev`). A draw
@@ -224,9 +229,11 @@ class LLMEngine:
         history at the join (InFlightStep.finish), after the appends."""
         if nxt is None:
             return None
-        if prev is None:  # the previous step's draw failed: its requests (all of nxt's) have failed
-            self.sink.fail_chunks(nxt, RuntimeError("the previous step's draw failed"))
-            return InFlightStep(nxt, None)
+        if prev is None and nxt.prev_rows:
+            # the previous step's draw failed, failing its requests: nxt is dropped unlaunched, and the
+            # next schedule() takes its other sequences from where they stand (they keep the blocks
+            # reserved for it)
+            return None
         return self._launch(nxt, prev)
 
     def _launch(self, out: SchedulerOutput, prev: Draw | None = None) -> InFlightStep:

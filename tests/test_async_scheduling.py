@@ -97,6 +97,49 @@ def test_async_scheduling_changes_no_output(tiny_model_dir):
     assert len(ahead) > 20 and max(ahead) >= 8, "the workload must exercise steps scheduled ahead"
 
 
+def staggered(engine: LLMEngine, requests, every: int = 3) -> dict[str, list[int]]:
+    """Add one request every `every` steps (so prompts arrive while others decode); each request's
+    sample-0 token ids."""
+    got: dict[str, list[int]] = {}
+    pending, steps = list(enumerate(requests)), 0
+    while pending or engine.has_unfinished():
+        if pending and steps % every == 0:
+            i, (prompt, params) = pending.pop(0)
+            got[engine.add_request(prompt, params, request_id=f"r{i}")] = []
+        steps += 1
+        for out in engine.step():
+            got[out.request_id] += [t for d in out.outputs if d.index == 0 for t in d.token_ids]
+    assert engine.audit() == [] and engine.block_manager.num_used == 0
+    return got
+
+
+def test_mixed_steps_run_ahead_and_change_no_output(tiny_model_dir, reference):
+    """Prompt chunks (a shared prefix among them, so prefix hits) and admissions ride in steps scheduled
+    ahead beside fed-back decodes: greedy output equals a naive recompute, seeded output equals the
+    synchronous engine's."""
+    rng = random.Random(5)
+    prefix = [rng.randrange(1000) for _ in range(40)]
+    requests = []
+    for i in range(12):
+        prompt = (prefix if i % 2 else []) + [rng.randrange(1000) for _ in range(rng.randint(5, 90))]
+        seeded = dict(temperature=0.8, top_p=0.95, seed=i) if i % 3 == 0 else dict(temperature=0.0)
+        requests.append((prompt, SamplingParams(max_tokens=rng.randint(4, 20), ignore_eos=True, **seeded)))
+    kw = dict(block_size=8, max_num_batched_tokens=48)
+    eng, sync = make_engine(tiny_model_dir, **kw), make_engine(tiny_model_dir, async_scheduling=False, **kw)
+    seen: list = []
+    original = eng.scheduler.schedule_ahead
+    eng.scheduler.schedule_ahead = lambda prev, **k: seen.append(original(prev, **k)) or seen[-1]
+    got = staggered(eng, requests)
+    assert got == staggered(sync, requests)
+    for i, (prompt, params) in enumerate(requests):
+        if params.greedy:
+            assert got[f"r{i}"] == reference.greedy(prompt, params.max_tokens), i
+    mixed = [o for o in seen if o is not None and o.prev_rows and any(c.num_tokens > 1 for c in o.chunks)]
+    admitted = [o for o in seen if o is not None and any(c.start == 0 for c in o.chunks)]
+    assert len(mixed) >= 10 and admitted, "prompt chunks and admissions must run ahead beside decodes"
+    assert eng.block_manager.prefix_hits > 0
+
+
 def test_async_scheduling_matches_a_naive_recompute_at_length_limits(tiny_model_dir, reference):
     """Sequences that run into max_tokens or max_model_len on the very step after a step launched ahead."""
     eng = make_engine(tiny_model_dir, max_model_len=48, block_size=4)

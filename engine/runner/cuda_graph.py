@@ -79,9 +79,9 @@ class _GraphSet:
 
     def _replay(self, key: int, batch: StepBatch, upload: Uploader, fed_back, draft_ids) -> torch.Tensor:
         """Copy this step's inputs into the bucket's buffers, replay its graph, return the hidden rows
-        of the real tokens. `fed_back`: the input ids of an all-decode step still on the device (a step
-        scheduled ahead); `draft_ids`: (rows, ids) of proposals on the device; both written over the
-        packed ids (input_ids are the first rows of the int64 buffer)."""
+        of the real tokens. `fed_back`: the input ids of the first rows, decodes of a step scheduled ahead,
+        still on the device; `draft_ids`: (rows, ids) of proposals on the device; both written over the
+        packed ids (input_ids are the first rows of the int64 buffer; fed-back rows come first)."""
         seqs, rows = self._seqs_rows(key)
         i64, i32 = pack(batch, seqs, self.width, self.pad_q, rows, real_tables_only=True)
         static64, static32 = self.inputs[key]
@@ -156,8 +156,9 @@ def forward_batch(
 ) -> torch.Tensor:
     """One forward of a packed step: the captured graph of its query length (`graphs`, by query length)
     when every sequence has the same one and a bucket fits, else a mixed graph (`mixed`) when a token
-    bucket fits, else eager. `fed_back`: the input ids of an all-decode step, still on the device.
-    `draft_ids`: (rows, ids) of proposals on the device, written over the 0s packed at those input rows."""
+    bucket fits, else eager. `fed_back`: the input ids of a step's first rows (decodes scheduled ahead),
+    on the device. `draft_ids`: (rows, ids) of proposals on the device, written over the 0s packed at
+    those input rows."""
     n = len(batch.seq_lens)
     g = graphs.get(batch.uniform_q)
     if g is not None and g.bucket(n) is not None:
@@ -170,7 +171,7 @@ def forward_batch(
     split = batch.uniform_q is None  # the same attention kernels as a mixed graph
     input_ids, positions, meta = unpack(i64, i32, batch, n, width, block_size, mixed=split)
     if fed_back is not None:
-        input_ids.copy_(fed_back)  # a step scheduled ahead is all decodes: one id per row
+        input_ids[: fed_back.shape[0]].copy_(fed_back)  # a step scheduled ahead: its first rows
     if draft_ids is not None:
         input_ids.index_copy_(0, *draft_ids)
     with attention_context(meta):

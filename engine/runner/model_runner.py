@@ -217,7 +217,7 @@ class ModelRunner:
 
     def _fed_back(self, out: SchedulerOutput, prev: PendingSample | None) -> torch.Tensor | None:
         """The input ids of a step scheduled ahead: rows of the previous step's samples, on the device."""
-        if out.prev_rows is None:
+        if not out.prev_rows:  # not scheduled ahead, or no row of it decodes a token still on the device
             return None
         if prev is None:
             raise RuntimeError("a step scheduled ahead needs the previous step's samples")

@@ -163,9 +163,12 @@ class BlockManager:
         if num_new == 1 and start // self.block_size < len(table.blocks):
             # the decode fast path: one token into an existing block, which must not be shared
             return self.ref_count[table.blocks[start // self.block_size]] == 1 or self.num_free > 0
+        return self.append_cost(table, start, num_new) <= self.num_free
+
+    def append_cost(self, table: BlockTable, start: int, num_new: int) -> int:
+        """Free blocks prepare_append(table, start, num_new) takes: new ones and copies of shared ones."""
         need = self.blocks_needed(table, start + num_new)
-        need += len(self._shared_in_range(table, start, start + num_new))
-        return need <= self.num_free
+        return need + len(self._shared_in_range(table, start, start + num_new))
 
     def _shared_in_range(self, table: BlockTable, start: int, end: int) -> list[int]:
         """Indices of existing table entries that positions [start, end) would write and that are shared."""

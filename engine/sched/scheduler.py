@@ -8,10 +8,11 @@ So a long prompt never holds running decodes back for more than one chunk. When 
 the newest running sequence not yet scheduled this step is preempted: its blocks are dropped and it
 is recomputed later (its tokens are kept, so its output is unchanged).
 
-Async scheduling (`schedule_ahead`): while a pure decode step is still on the device, the next decode
-step of the same sequences is scheduled before their sampled tokens reach the host. Its input tokens
-are the previous step's sampled ids, still on the device (`prev_rows`). A sequence that turns out to
-have finished wasted one row; its blocks, including the one reserved ahead, go back with its table.
+Async scheduling (`schedule_ahead`): while a step is still on the device, the next one is scheduled
+before its sampled tokens reach the host. Each sequence it samples for decodes next, its input token
+the sampled id still on the device (`prev_rows`); prompt chunks continue where it stops, and waiting
+requests are admitted as usual. A sequence that turns out to have finished wasted one row; its blocks,
+including the one reserved ahead, go back with its table.
 """
 
 from __future__ import annotations
@@ -144,10 +145,15 @@ class Scheduler:
                 self._mark_prompt_logprobs(seq, out)
             budget -= n
 
-    def _add_chunk(self, seq: Sequence, n: int, out: SchedulerOutput, num_draft: int = 0) -> None:
-        out.block_copies += self.bm.prepare_append(seq.table, seq.num_computed, n)
-        chunk = ScheduledChunk(seq, seq.num_computed, n, num_draft=num_draft)
-        if seq.num_computed + n - num_draft == seq.num_tokens:
+    def _add_chunk(
+        self, seq: Sequence, n: int, out: SchedulerOutput, num_draft: int = 0, start: int | None = None
+    ) -> None:
+        """Schedule positions [start, start + n) of `seq` (start: num_computed unless a step in flight
+        computes up to it); the chunk that reaches the end of its tokens samples (and forks)."""
+        start = seq.num_computed if start is None else start
+        out.block_copies += self.bm.prepare_append(seq.table, start, n)
+        chunk = ScheduledChunk(seq, start, n, num_draft=num_draft)
+        if start + n - num_draft == seq.num_tokens:
             chunk.samples = [seq] if seq.request.forked else [seq] + self._fork(seq)
         out.chunks.append(chunk)
 
@@ -180,49 +186,90 @@ class Scheduler:
         self.running.extend(children)
         return children
 
-    def schedule_ahead(self, prev: SchedulerOutput) -> SchedulerOutput | None:
-        """The next decode step of `prev`'s sequences, scheduled before `prev`'s tokens are known.
+    def schedule_ahead(self, prev: SchedulerOutput, decodes_only: bool = False) -> SchedulerOutput | None:
+        """The step after `prev`, scheduled while `prev` is on the device, before its tokens are known.
 
-        Called while `prev` is on the device and before its tokens are appended: each sequence holds
-        tokens [0, start] and `prev` samples the token at start + 1, which this step feeds back. Only
-        pure decode steps qualify; sequences that `prev` surely finishes (length limits) or whose next
-        input depends on host work are left out. None when a normal schedule() should run instead:
-        someone is waiting for admission, a live sequence needs host tokens (it would starve), or the
-        pool cannot give every sequence its next slot.
+        Every sequence `prev` samples for decodes next, its input the token `prev` draws (a row of
+        `prev_rows`, fed back on the device); these rows come first. Then, as schedule() orders them,
+        decodes of tokens the host holds, prompt chunks (those in `prev` continue where it stops), and
+        admissions. Sequences that `prev` surely finishes (length limits) are left out. None when a
+        normal schedule() must run instead: `prev` forks or speculates, a sampling sequence needs host
+        tokens next (forced tokens), or the pool cannot give every chunk its blocks without preempting.
+        `decodes_only` (an engine that speculates): only a decode step's successor, all fed-back decodes,
+        and None while anybody waits for a free slot.
         """
-        if not self.config.async_scheduling or not (prev.prev_rows is not None or self._is_decode(prev)):
+        if not self.config.async_scheduling:
             return None
-        if self.waiting and len(self.running) + self._reserved_slots() < self.config.max_num_seqs:
-            return None  # admit them now rather than one step later
+        plan = self._ahead_plan(prev)
+        if plan is None or (decodes_only and not self._decodes_alone(prev, plan)):
+            return None
+        plan = self._within_budget(plan)
+        if sum(self.bm.append_cost(seq.table, start, n) for seq, start, n, _ in plan) > self.bm.num_free:
+            return None
         out = SchedulerOutput(chunks=[], block_copies=[], prev_rows=[])
-        need = 0
-        for row, chunk in enumerate(prev.chunks):
-            seq, pos = chunk.seq, chunk.start + 1  # the position the fed-back token will occupy
-            params = seq.request.params
-            if seq.status is not SeqStatus.RUNNING:
+        for seq, start, n, row in plan:
+            if row is None:
+                self._add_chunk(seq, n, out, start=start)
+                if not seq.prompt_done and seq.request.params.prompt_logprobs is not None:
+                    self._mark_prompt_logprobs(seq, out)
                 continue
-            if params.needs_host_tokens:
-                # it cannot run ahead; left out, it would wait until every other sequence ends (each
-                # step ahead is followed by another without it): a normal schedule takes everyone
-                return None
-            # after `prev` the sequence holds pos + 1 tokens, pos + 1 - num_prompt of them output
-            if pos + 1 - seq.num_prompt >= params.max_tokens or pos + 1 >= self.max_model_len:
-                continue  # `prev` ends it by length
-            need += self.bm.blocks_needed(seq.table, pos + 1)
-            if seq.grammar is not None or params.draws_from_history:
-                out.draw_late = True
-            out.chunks.append(ScheduledChunk(seq, pos, 1, [seq]))
+            out.block_copies += self.bm.prepare_append(seq.table, start, 1)
+            out.chunks.append(ScheduledChunk(seq, start, 1, [seq]))
             out.prev_rows.append(row)
-        if not out.chunks or need > self.bm.num_free:
-            return None
-        for chunk in out.chunks:
-            out.block_copies += self.bm.prepare_append(chunk.seq.table, chunk.start, 1)
-        return out
+            params = seq.request.params
+            out.draw_late |= seq.grammar is not None or params.draws_from_history
+        self._admit_waiting(self.config.max_num_batched_tokens - out.num_batched_tokens, out)
+        return out if out.chunks else None
 
-    @staticmethod
-    def _is_decode(out: SchedulerOutput) -> bool:
-        """Every chunk is one token that samples only for itself (no fork in this step)."""
-        return all(c.num_tokens == 1 and len(c.samples) == 1 and c.samples[0] is c.seq for c in out.chunks)
+    def _ahead_plan(self, prev: SchedulerOutput) -> list[tuple[Sequence, int, int, int | None]] | None:
+        """(sequence, start, tokens, sampling row of `prev` fed back or None) for every running
+        sequence as it will stand once `prev` is in: fed-back decodes in row order, decodes of host
+        tokens, prompt chunks. None where schedule_ahead must not run."""
+        in_prev: dict[int, tuple[ScheduledChunk, int | None]] = {}
+        row = 0
+        for chunk in prev.chunks:
+            if chunk.num_draft or len(chunk.samples) > 1:
+                return None  # verification decides the next input; a fork's children start sampling
+            in_prev[chunk.seq.seq_id] = (chunk, row if chunk.samples else None)
+            row += len(chunk.samples)
+        fed, decodes, prompts = [], [], []
+        for seq in self.running:
+            entry = in_prev.get(seq.seq_id)
+            if entry is None:  # not in flight: the host holds its state
+                entry = (seq, seq.num_computed, seq.num_pending, None)
+                (decodes if seq.prompt_done else prompts).append(entry)
+                continue
+            chunk, row = entry
+            end = chunk.start + chunk.num_tokens
+            if row is None:  # mid-prompt: the rest of its tokens are on the host
+                prompts.append((seq, end, seq.num_tokens - end, None))
+                continue
+            params = seq.request.params
+            if params.needs_host_tokens:
+                return None
+            # after `prev` the sequence holds end + 1 tokens, end + 1 - num_prompt of them output
+            if end + 1 - seq.num_prompt < params.max_tokens and end + 1 < self.max_model_len:
+                fed.append((seq, end, 1, row))
+        fed.sort(key=lambda entry: entry[3])
+        return fed + decodes + prompts
+
+    def _decodes_alone(self, prev: SchedulerOutput, plan: list) -> bool:
+        """`prev` only decodes, every planned chunk is fed back, and nobody waits for a free slot."""
+        room = len(self.running) + self._reserved_slots() < self.config.max_num_seqs
+        decodes = all(c.num_tokens == 1 and c.samples for c in prev.chunks)
+        return decodes and all(row is not None for *_, row in plan) and not (self.waiting and room)
+
+    def _within_budget(self, plan: list) -> list:
+        """The plan's chunks cut to the step's token budget, in order."""
+        budget, kept = self.config.max_num_batched_tokens, []
+        for seq, start, n, row in plan:
+            if budget == 0:
+                break
+            n = min(n, budget)
+            if n:
+                kept.append((seq, start, n, row))
+                budget -= n
+        return kept
 
     # ------------------------------------------------------------------ after the forward pass
     def update_computed(self, out: SchedulerOutput) -> None:
