@@ -210,6 +210,30 @@ def test_async_scheduling_on_the_gpu_with_cuda_graphs(tiny_model_dir, reference)
     assert len(ahead) > 10
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_mixed_steps_ahead_on_the_gpu_with_mixed_graphs(tiny_model_dir, reference):
+    """Prompt chunks and admissions launched ahead beside fed-back decodes, through the mixed graphs'
+    static buffers, against a naive recompute."""
+    kw = dict(dtype="float32", device="cuda", num_blocks=400, block_size=16, max_num_batched_tokens=64)
+    eng = LLMEngine(EngineConfig.from_kwargs(str(tiny_model_dir), **kw))
+    assert eng.runner.mixed_graphs is not None
+    seen: list = []
+    original = eng.scheduler.schedule_ahead
+    eng.scheduler.schedule_ahead = lambda prev, **k: seen.append(original(prev, **k)) or seen[-1]
+    rng = random.Random(8)
+    requests = [
+        ([rng.randrange(1500) for _ in range(rng.randint(5, 150))],
+         SamplingParams(max_tokens=rng.randint(4, 24), temperature=0.0, ignore_eos=True))
+        for _ in range(16)
+    ]  # fmt: skip
+    got = staggered(eng, requests, every=2)
+    mismatches = sum(got[f"r{i}"] != reference.greedy(p, sp.max_tokens) for i, (p, sp) in enumerate(requests))
+    assert mismatches <= 1, f"{mismatches} of {len(requests)} sequences differ from the fp64 reference"
+    mixed = [o for o in seen if o is not None and o.prev_rows and any(c.num_tokens > 1 for c in o.chunks)]
+    assert len(mixed) >= 5 and eng.runner.mixed_graphs.replays >= len(mixed)
+
+
 @pytest.mark.parametrize("kind", ["penalty", "budget_forcing"])
 def test_host_token_requests_do_not_starve_next_to_requests_run_ahead(tiny_model_dir, kind):
     """A penalty row runs ahead with a late draw; a budget-forcing one never runs ahead (its next input
