@@ -30,8 +30,8 @@ def count_ahead(engine: LLMEngine) -> list[int]:
     sizes: list[int] = []
     original = engine.scheduler.schedule_ahead
 
-    def wrapped(prev):
-        out = original(prev)
+    def wrapped(prev, **kw):
+        out = original(prev, **kw)
         if out is not None:
             sizes.append(len(out.chunks))
         return out

@@ -49,8 +49,8 @@ def record_schedules(engine: LLMEngine) -> list:
     seen = []
 
     def wrap(original):
-        def record(*args):
-            out = original(*args)
+        def record(*args, **kw):
+            out = original(*args, **kw)
             if out is not None:
                 seen.append([(c.seq.request.request_id, c.num_tokens) for c in out.chunks])
             return out

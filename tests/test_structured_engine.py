@@ -110,7 +110,7 @@ def test_async_scheduling_on_and_off_give_the_same_outputs(tiny_model_dir):
     sync, eng = make_engine(tiny_model_dir, async_scheduling=False), make_engine(tiny_model_dir)
     ahead = []
     original = eng.scheduler.schedule_ahead
-    eng.scheduler.schedule_ahead = lambda prev: ahead.append(original(prev)) or ahead[-1]
+    eng.scheduler.schedule_ahead = lambda prev, **kw: ahead.append(original(prev, **kw)) or ahead[-1]
     reqs = mixed()
     assert run(sync, reqs) == run(eng, reqs)
     constrained_ahead = [o for o in ahead if o is not None and any(c.seq.grammar for c in o.chunks)]
