@@ -2,10 +2,10 @@
 
 A copy from pinned memory is asynchronous, so the GPU stream does not stall. Pinning a fresh buffer
 every step costs tens of microseconds, so each named slot keeps its buffers and reuses them; an event
-recorded after each copy makes sure the previous copy out of a buffer has finished before it is
-refilled. Each slot alternates between two buffers: with a step launched ahead, the copy that last
-used a buffer belongs to the step before the one still on the device, so refilling it never waits
-for the device (with one buffer the host would wait for the running step to reach its copy).
+per buffer, recorded again after each copy out of it, makes sure that copy has finished before the
+buffer is refilled. Each slot alternates between two buffers: with a step launched ahead, the copy
+that last used a buffer belongs to the step before the one still on the device, so refilling it never
+waits for the device (with one buffer the host would wait for the running step to reach its copy).
 
 `device_view` is the copy's alternative for rows a kernel reads sparsely (a grammar's token bitmask,
 one word per 32 logits): the device reads pinned host memory in place.
@@ -13,41 +13,63 @@ one word per 32 logits): the device reads pinned host memory in place.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 BUFFERS_PER_SLOT = 2
+_NUMPY_DTYPES = {torch.int64, torch.int32, torch.float32}  # what `values` uploads
 
 
 class Uploader:
     def __init__(self, device: torch.device):
         self.device = device
-        self._buffers: dict[tuple[str, int], tuple[torch.Tensor, torch.cuda.Event | None]] = {}
+        # per (slot, turn): the pinned buffer, its numpy view, and the event of its last copy out
+        self._buffers: dict[tuple[str, int], tuple[torch.Tensor, np.ndarray | None, torch.cuda.Event]] = {}
         self._turn: dict[str, int] = {}
 
     def __call__(self, slot: str, host: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """`host` on the device (into `out` when given). On CPU the host tensor itself is returned."""
         if self.device.type != "cuda":
             return host if out is None else out.copy_(host)
-        turn = self._turn[slot] = (self._turn.get(slot, -1) + 1) % BUFFERS_PER_SLOT
-        buf, event = self._buffers.get((slot, turn), (None, None))
-        if buf is None or buf.numel() < host.numel() or buf.dtype != host.dtype:
-            size = max(host.numel(), 2 * buf.numel() if buf is not None else 0)
-            buf, event = torch.empty(size, dtype=host.dtype, pin_memory=True), None
-        elif event is not None:
-            event.synchronize()  # the last copy out of this buffer is done (normally long ago)
-        staged = buf[: host.numel()].view(host.shape)
+        key, staged, _ = self._stage(slot, host.numel(), host.dtype)
+        staged = staged.view(host.shape)
         staged.copy_(host)
+        return self._send(key, staged, out)
+
+    def values(self, slot: str, values: list, dtype: torch.dtype) -> torch.Tensor:
+        """A list's values on the device. They go straight into the slot's pinned buffer through its
+        numpy view: building a tensor from a Python list first costs several times more."""
+        if self.device.type != "cuda":
+            return torch.tensor(values, dtype=dtype)
+        key, staged, view = self._stage(slot, len(values), dtype)
+        view[:] = values
+        return self._send(key, staged, None)
+
+    def _stage(
+        self, slot: str, n: int, dtype: torch.dtype
+    ) -> tuple[tuple[str, int], torch.Tensor, np.ndarray | None]:
+        """The slot's next pinned buffer, free to refill, cut to `n` elements (and its numpy view)."""
+        turn = self._turn[slot] = (self._turn.get(slot, -1) + 1) % BUFFERS_PER_SLOT
+        key = (slot, turn)
+        entry = self._buffers.get(key)
+        if entry is None or entry[0].numel() < n or entry[0].dtype != dtype:
+            size = max(n, 2 * entry[0].numel() if entry is not None else 0, 1)
+            buf = torch.empty(size, dtype=dtype, pin_memory=True)
+            view = buf.numpy() if dtype in _NUMPY_DTYPES else None  # `values` writes through it
+            entry = self._buffers[key] = (buf, view, torch.cuda.Event())
+        else:
+            entry[2].synchronize()  # the last copy out of this buffer is done (normally long ago)
+        return key, entry[0][:n], None if entry[1] is None else entry[1][:n]
+
+    def _send(self, key: tuple[str, int], staged: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        """Enqueue the copy of `staged` to the device (into `out` when given), recording the buffer's
+        event behind it."""
         if out is None:
             out = staged.to(self.device, non_blocking=True)
         else:
             out.copy_(staged, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        self._buffers[(slot, turn)] = (buf, event)
+        self._buffers[key][2].record()
         return out
-
-    def values(self, slot: str, values: list, dtype: torch.dtype) -> torch.Tensor:
-        return self(slot, torch.tensor(values, dtype=dtype))
 
 
 class _HostRows:
