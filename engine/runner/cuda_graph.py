@@ -29,6 +29,12 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 
 TOKEN_BUCKETS = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1280, 1536, 1792, 2048, 3072, 4096)
 
 
+def lm_head_rows(n: int) -> int:
+    """The rows an eager LM head computes for `n` wanted ones: the smallest batch bucket that holds
+    them (n itself above the largest), so that its GEMM shapes repeat from step to step."""
+    return next((b for b in DEFAULT_BUCKETS if b >= n), n)
+
+
 class _GraphSet:
     """Graphs by bucket key, static (int64, int32) input buffers per bucket, one output buffer."""
 

@@ -24,7 +24,7 @@ from engine.device.uploader import Uploader
 from engine.models.attention_context import AttentionMetadata, attention_context
 from engine.models.layers import Attention
 from engine.models.loader import load_model
-from engine.runner.cuda_graph import DecodeGraphs, MixedGraphs, forward_batch
+from engine.runner.cuda_graph import DecodeGraphs, MixedGraphs, forward_batch, lm_head_rows
 from engine.runner.draft_runner import DraftRunner
 from engine.runner.kv_cache import KVCacheSpec, allocate_kv_cache, kv_cache_dtype, plan_kv_cache
 from engine.runner.plain_draw import PlainDraw
@@ -205,15 +205,26 @@ class ModelRunner:
         """The plain step's draw: logits at the sampling rows only, one token per sampling sequence."""
         if not batch.samplers:
             return self.draw.scores_only(scores)
-        if batch.logit_rows != list(range(len(batch.input_ids))):  # decode steps sample every row
-            hidden = hidden.index_select(0, self.upload.values("logit_rows", batch.logit_rows, torch.long))
-        logits, rows = self.draw.select(batch, self.model.compute_logits(hidden))
+        logits, rows = self.draw.select(batch, self._logits(batch, hidden))
         if out.draw_late:
             # launched ahead: the host has not appended the previous step's tokens, which the grammars
             # and penalties read; the engine draws once it has, while the device runs this forward
             start = functools.partial(self.draw.start, logits, rows, scores, batch.samplers, True)
             return DeferredSample(start)
         return self.draw.start(logits, rows, scores, batch.samplers)()
+
+    def _logits(self, batch: StepBatch, hidden: torch.Tensor) -> torch.Tensor:
+        """The logits of the batch's logit rows. On a GPU the LM head takes a row count rounded up to a
+        graph bucket (the last row repeated): cuBLASLt's host time per GEMM grows several-fold when the
+        shape keeps changing from step to step, and a few more rows cost the weight-bound head little."""
+        rows, n = batch.logit_rows, len(batch.logit_rows)
+        m = lm_head_rows(n) if self.device.type == "cuda" else n
+        if rows != list(range(len(batch.input_ids))):  # decode steps sample every row
+            index = rows + [rows[-1]] * (m - n)
+            hidden = hidden.index_select(0, self.upload.values("logit_rows", index, torch.long))
+        elif m > n:
+            hidden = torch.cat([hidden, hidden[-1:].expand(m - n, -1)])
+        return self.model.compute_logits(hidden)[:n]
 
     def _fed_back(self, out: SchedulerOutput, prev: PendingSample | None) -> torch.Tensor | None:
         """The input ids of a step scheduled ahead: rows of the previous step's samples, on the device."""
