@@ -100,6 +100,16 @@ class EngineConfig:
     # structured output's matchers in a process of their own (engine/structured/process.py), so a
     # host-bound loop pays no GIL hand-offs for them; False: on a thread of the engine's process
     grammar_process: bool = True
+    # ranks of one engine replica (vLLM's name): the model's heads, MLP and vocabulary are split over
+    # this many processes, rank 0 being the engine's own (engine/runner/tp_group.py); 1: no other
+    # process. Checked against the model (models/parallel.check_tp) and the GPUs at start-up.
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        tp = self.tensor_parallel_size
+        ok = isinstance(tp, int) and not isinstance(tp, bool) and tp >= 1
+        fix = "use a whole number >= 1 (1: no tensor parallelism)"
+        _require(ok, "tensor_parallel_size", f"got {tp!r}; {fix}")
 
     @staticmethod
     def from_kwargs(model: str, **kwargs) -> EngineConfig:
@@ -118,7 +128,7 @@ class EngineConfig:
                     bucket[key] = value
                     break
             else:
-                if key in ("fault_injection", "grammar_process"):
+                if key in ("fault_injection", "grammar_process", "tensor_parallel_size"):
                     top[key] = value
                 else:
                     raise ValueError(f"unknown engine option {key!r}")

@@ -27,6 +27,7 @@ from engine.device.placement import resolve_device_dtype
 from engine.models import quant_loader
 from engine.models.config import ModelConfig
 from engine.models.layers import MergedLinear
+from engine.models.parallel import Shard, build_parallel, check_tp, loaded_rows, read_slice
 from engine.models.quant_config import resolve_quant_config
 from engine.models.quant_linear import QuantLinear, QuantLinearFactory, QuantMergedLinear
 from engine.models.registry import config_from_dir, get_model_class
@@ -44,13 +45,16 @@ def load_model(
     device: str | torch.device = "cpu",
     progress: bool = True,
     quantization: str | None = None,
+    shard: Shard | None = None,
 ) -> tuple[nn.Module, ModelConfig]:
     """Build the model for `<path>/config.json` and fill it from the safetensors files next to it.
 
     dtype: a torch dtype or its name ("bfloat16"); None / "auto" means bf16 on CUDA and fp32 on CPU
     (the checkpoint's own dtype is converted on copy; quantised weights keep theirs). device: "cpu",
     "cuda", "cuda:N" or "auto". quantization: None, or "fp8" to quantise a float checkpoint's decoder
-    linears at load (per-channel float8 weights, dynamic per-token float8 activations).
+    linears at load (per-channel float8 weights, dynamic per-token float8 activations). shard: this
+    process's rank of a tensor-parallel group (engine/models/parallel.py): it builds and reads only its
+    share; the config returned is the whole model's either way.
     """
     path = Path(path)
     device, dtype = resolve_device_dtype(device, dtype)
@@ -58,8 +62,13 @@ def load_model(
     quant = resolve_quant_config(cfg.raw, quantization, cfg.tie_word_embeddings, str(path / "config.json"))
     cls = get_model_class(cfg.model_type)
     files = checkpoint_files(path)
+    if shard is not None:
+        check_tp(cfg, shard.size, str(path), quantization)
     with torch.device(device), _default_dtype(dtype):
-        model = cls(cfg, QuantLinearFactory(quant) if quant else None)
+        if shard is not None and shard.size > 1:
+            model = build_parallel(cls, cfg, shard)
+        else:
+            model = cls(cfg, QuantLinearFactory(quant) if quant else None)
     model.eval().requires_grad_(False)
     _load_weights(model, cls, cfg, files, progress)
     return model, cfg
@@ -180,13 +189,13 @@ def _copy_tensor(
 ) -> list[Target]:
     """Copy one checkpoint tensor into its parameter (or its rows of a merged parameter); returns the
     destinations it filled (online quantisation fills a weight and its scale at once)."""
-    try:
-        tensor = reader.get_tensor(name)
-    except SafetensorError as e:
-        raise ValueError(f"{file}: cannot read tensor {name} ({e}); re-download the file") from e
     param_name, shard = target
     module_path, leaf = param_name.rsplit(".", 1)
     module = modules[module_path]
+    try:
+        tensor = read_slice(reader, name, module, leaf, shard)  # a tensor-parallel rank's part only
+    except SafetensorError as e:
+        raise ValueError(f"{file}: cannot read tensor {name} ({e}); re-download the file") from e
     if isinstance(module, QuantLinear):
         filled = quant_loader.copy_into(module, leaf, shard, tensor, f"{file}: tensor {name}")
         return [(f"{module_path}.{p}", shard) for p in filled]
@@ -195,7 +204,7 @@ def _copy_tensor(
             f"{file}: tensor {name} is {tensor.dtype}, but config.json has no quantization_config "
             "that quantises it; the config and the weights do not match"
         )
-    dest = param.data
+    dest = loaded_rows(module, param.data)
     if shard is not None:
         start, rows = module.shard_rows(shard)
         dest = dest.narrow(0, start, rows)

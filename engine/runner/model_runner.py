@@ -24,12 +24,16 @@ from engine.device.uploader import Uploader
 from engine.models.attention_context import AttentionMetadata, attention_context
 from engine.models.layers import Attention
 from engine.models.loader import load_model
+from engine.models.parallel import local_config
 from engine.runner.cuda_graph import DecodeGraphs, MixedGraphs, forward_batch, lm_head_rows
 from engine.runner.draft_runner import DraftRunner
+from engine.runner.graph_sets import capture_sets, max_graph_batch
 from engine.runner.kv_cache import KVCacheSpec, allocate_kv_cache, kv_cache_dtype, plan_kv_cache
 from engine.runner.plain_draw import PlainDraw
 from engine.runner.spec_step import SpecStep
 from engine.runner.step_inputs import StepBatch, build_batch, prompt_logprob_rows
+from engine.runner.tp_group import TPGroup
+from engine.runner.tp_model import TPModel, capture_on_all_ranks
 from engine.sampling.sampler import PendingSample, Sampler
 from engine.sched.scheduler import SchedulerOutput
 from engine.spec.sampler import PendingSpec, SpecSampler
@@ -90,9 +94,14 @@ class ModelRunner:
         torch.manual_seed(config.load.seed)
         if self.device.type == "cuda":  # process-wide; an engine replica owns its process and its GPU
             torch.backends.cuda.preferred_blas_library(config.load.blas_library)
+        # tensor parallelism: this process is rank 0 and starts the others; None at size 1
+        self.tp = TPGroup(config, self.device) if config.tensor_parallel_size > 1 else None
         self.model, self.model_config = load_model(
-            config.load.model, dtype=self.dtype, device=self.device, quantization=config.load.quantization
-        )
+            config.load.model, dtype=self.dtype, device=self.device, quantization=config.load.quantization,
+            shard=None if self.tp is None else self.tp.shard,
+        )  # fmt: skip
+        if self.tp is not None:  # each forward and logits computation reaches every rank
+            self.model = TPModel(self.model, self.tp, self.model_config.vocab_size)
         max_pos = self.model_config.max_position_embeddings
         self.max_model_len = min(config.load.max_model_len or min(max_pos, 8192), max_pos)
         self.block_size = config.cache.block_size
@@ -108,7 +117,7 @@ class ModelRunner:
         self.upload = Uploader(self.device)
         # unseeded sequences draw from stream (base, seq_id); the base follows load.seed (set above)
         self.draw = PlainDraw(sampler, bitmasks, self.upload, int(torch.randint(0, 2**62, (1,)).item()))
-        max_batch = min(config.scheduler.max_num_seqs, 512)
+        max_batch = max_graph_batch(config)
         self.mixed_graphs: MixedGraphs | None = None
         self.graphs_by_q = self._capture_graphs(config, max_batch)
         self.graphs: DecodeGraphs | None = self.graphs_by_q.get(1)
@@ -136,13 +145,15 @@ class ModelRunner:
         beside each block), handed to every attention layer."""
         self.kv_spec: KVCacheSpec = plan_kv_cache(
             config.cache,
-            self.model_config,
+            self.model_config if self.tp is None else local_config(self.model_config, self.tp.shard),
             kv_cache_dtype(config.cache, self.dtype),
             self.device,
             self._profile_activation_bytes(),
             extra_block_bytes=self.draft.kv_spec(1).bytes_per_block if self.draft else 0,
         )
         self.kv_caches = allocate_kv_cache(self.kv_spec, self.device)
+        if self.tp is not None:
+            self.tp.allocate_kv(self.kv_spec.num_blocks)
         attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for layer, (k_cache, v_cache) in zip(attn_layers, self.kv_caches, strict=True):
             layer.k_cache, layer.v_cache = k_cache, v_cache
@@ -154,26 +165,22 @@ class ModelRunner:
         if self.device.type != "cuda" or config.load.enforce_eager:
             return {}
         start, free = time.perf_counter(), torch.cuda.mem_get_info(self.device)[0]
-        width, hidden = -(-self.max_model_len // self.block_size), self.model_config.hidden_size
-        pool = None
-        if config.load.mixed_graphs:
-            tokens = config.scheduler.max_num_batched_tokens
-            self.mixed_graphs = MixedGraphs(self.model, self.device, tokens, max_batch, width,
-                                            self.block_size, hidden, self.dtype)  # fmt: skip
-            pool = self.mixed_graphs.capture()
-        spec = config.speculative
-        graphs = {}
-        for q in [1] + ([spec.num_speculative_tokens + 1] if spec is not None else []):
-            g = DecodeGraphs(
-                self.model, self.device, max_batch, width, self.block_size, hidden, self.dtype, q
-            )
-            pool = g.capture(pool)
-            graphs[q] = g
+        hidden = self.model_config.hidden_size
+        args = (self.model, self.device, self.dtype, config, self.max_model_len, hidden)
+        if self.tp is None:
+            graphs, self.mixed_graphs = capture_sets(*args)
+        else:  # every rank captures the same graphs (tensor parallelism: engine/runner/tp_model.py)
+            graphs, self.mixed_graphs = capture_on_all_ranks(self.tp, *args)
         count = sum(len(g.graphs) for g in [*graphs.values(), self.mixed_graphs] if g is not None)
         used = (free - torch.cuda.mem_get_info(self.device)[0]) / 2**20
         log.info("captured %d CUDA graphs (%s) in %.1f s, %.0f MiB", count,
                  _graph_summary(graphs, self.mixed_graphs), time.perf_counter() - start, used)  # fmt: skip
         return graphs
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (they also stop when this process ends)."""
+        if self.tp is not None:
+            self.tp.close()
 
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()
@@ -241,6 +248,8 @@ class ModelRunner:
         """Copy-on-write: duplicate shared blocks (all layers) before anyone writes into the copies."""
         if not copies:
             return
+        if self.tp is not None:
+            self.tp.copy_blocks(copies)
         src = self.upload.values("cow_src", [s for s, _ in copies], torch.long)
         dst = self.upload.values("cow_dst", [d for _, d in copies], torch.long)
         for k_cache, v_cache in self.kv_caches:

@@ -1,0 +1,201 @@
+"""Tensor-parallel layers: one rank's share of a model, for every family alike.
+
+With `tensor_parallel_size` = P, rank r builds the model from `local_config` (its heads, KV heads,
+MLP columns and vocabulary rows) and holds:
+  * q|k|v and gate|up column-parallel (its output rows of each projection; no communication);
+  * o_proj and down_proj row-parallel (its input columns), one all-reduce each, bias added once after;
+  * the embedding and the LM head vocab-parallel: rows [r * V', (r + 1) * V') of the vocabulary with
+    V' = ceil(V / P); the last rank's padding rows are zero and never looked up. An embedding lookup
+    is masked to the rank's rows and all-reduced; the LM head gives the rank's logits columns, which
+    the caller gathers (engine/runner/tp_model.py).
+KV heads are split when there are at least P of them (P must divide them), else each is replicated on
+P / Hkv ranks (Hkv must divide P): rank r then reads KV head r // (P / Hkv), the one its query heads use.
+
+Every parameter says which slice of its checkpoint tensor it holds (`tp_slice`), so the loader reads
+only that slice from the safetensors file (`read_slice`), never the whole tensor.
+All ranks see the same inputs and, after each all-reduce, the same residual stream.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from engine.models.config import ModelConfig
+from engine.models.layers import Linear, LinearFactory, MergedLinear, _empty_param
+from kernels import ops
+
+ROW_PARALLEL = ("o_proj", "down_proj")  # LinearFactory.linear names whose input dimension is split
+KV_PROJECTIONS = ("k_proj", "v_proj")
+
+# A slice of a checkpoint tensor: (dimension, first index, length).
+Slice = tuple[int, int, int]
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Which rank of how many this process is."""
+
+    rank: int
+    size: int
+
+    def vocab_rows(self, vocab: int) -> tuple[int, int, int]:
+        """(first row, rows held, rows that are real) of this rank's vocabulary share."""
+        per = -(-vocab // self.size)
+        start = min(self.rank * per, vocab)
+        return start, per, min(vocab, start + per) - start
+
+
+def check_tp(cfg: ModelConfig, size: int, where: str, quantization: str | None = None) -> None:
+    """Raise ValueError naming tensor_parallel_size and the fix when `size` cannot split this model
+    (NotImplementedError for quantized weights, which do not shard yet)."""
+    if size > 1 and (quantization or cfg.raw.get("quantization_config")):
+        raise NotImplementedError(
+            f"tensor_parallel_size {size} with quantization (an FP8/INT8 checkpoint or quantization='fp8', "
+            f"{where}) is not supported yet: use tensor_parallel_size=1 or a float checkpoint"
+        )
+    fits = [p for p in range(1, cfg.num_heads + 1) if _fits(cfg, p)]
+    problem = None
+    if cfg.num_heads % size:
+        problem = f"does not divide the {cfg.num_heads} attention heads"
+    elif cfg.num_kv_heads % size and size % cfg.num_kv_heads:
+        problem = f"neither divides nor is a multiple of the {cfg.num_kv_heads} KV heads"
+    elif cfg.intermediate_size % size:
+        problem = f"does not divide the MLP width {cfg.intermediate_size}"
+    if problem:
+        raise ValueError(f"tensor_parallel_size: {size} {problem} of {where}; use one of {fits}")
+
+
+def _fits(cfg: ModelConfig, p: int) -> bool:
+    kv_ok = cfg.num_kv_heads % p == 0 or p % cfg.num_kv_heads == 0
+    return cfg.num_heads % p == 0 and kv_ok and cfg.intermediate_size % p == 0
+
+
+def local_config(cfg: ModelConfig, shard: Shard) -> ModelConfig:
+    """The config this rank builds its modules from: its heads, KV heads, MLP width and vocab rows."""
+    p = shard.size
+    return dataclasses.replace(
+        cfg,
+        num_heads=cfg.num_heads // p,
+        num_kv_heads=max(1, cfg.num_kv_heads // p),
+        intermediate_size=cfg.intermediate_size // p,
+        vocab_size=shard.vocab_rows(cfg.vocab_size)[1],
+    )
+
+
+class RowParallelLinear(Linear):
+    """y = all_reduce(x_r W_r^T) + b: this rank's input columns; the bias is added once, after."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, column: int):
+        super().__init__(in_features, out_features, bias)
+        self.column = column  # first checkpoint column this rank holds
+
+    def tp_slice(self, leaf: str, shard: int | None) -> Slice | None:
+        return (1, self.column, self.weight.shape[1]) if leaf == "weight" else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = ops.linear(x, self.weight, None)
+        dist.all_reduce(out)
+        return out if self.bias is None else out + self.bias
+
+
+class ColumnParallelMerged(MergedLinear):
+    """A merged projection (q|k|v, gate|up) holding this rank's output rows of each part."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool, starts: list[int]):
+        super().__init__(in_features, output_sizes, bias)
+        self.starts = starts  # per part: the first checkpoint row this rank holds
+
+    def tp_slice(self, leaf: str, shard: int | None) -> Slice | None:
+        return (0, self.starts[shard], self.output_sizes[shard])
+
+
+class ParallelLinearFactory(LinearFactory):
+    """Builds the decoder projections of one rank (sizes already local: see local_config)."""
+
+    def __init__(self, shard: Shard, kv_replicas: int, prefix: str = ""):
+        super().__init__(prefix)
+        self.shard, self.kv_replicas = shard, kv_replicas
+
+    def linear(self, name: str, in_features: int, out_features: int, bias: bool = False) -> Linear:
+        if name not in ROW_PARALLEL:
+            where = self.full_name(name)
+            raise NotImplementedError(f"tensor_parallel_size > 1: no parallel layout for {where}")
+        return RowParallelLinear(in_features, out_features, bias, self.shard.rank * in_features)
+
+    def merged(
+        self, names: list[str], in_features: int, output_sizes: list[int], bias: bool = False
+    ) -> MergedLinear:
+        rank = self.shard.rank
+        starts = [
+            (rank // self.kv_replicas if name in KV_PROJECTIONS else rank) * size
+            for name, size in zip(names, output_sizes, strict=True)
+        ]
+        return ColumnParallelMerged(in_features, output_sizes, bias, starts)
+
+
+class VocabParallelEmbedding(torch.nn.Module):
+    """This rank's rows of the embedding; ids outside them look up zeros, and the all-reduce sums the
+    one rank that holds each id."""
+
+    def __init__(self, rows: int, dim: int, start: int, real_rows: int):
+        super().__init__()
+        self.weight = _empty_param(rows, dim)
+        self.weight.data[real_rows:].zero_()
+        self.start, self.real_rows = start, real_rows
+
+    def tp_slice(self, leaf: str, shard: int | None) -> Slice | None:
+        return (0, self.start, self.real_rows)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.real_rows)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out.masked_fill_(outside.unsqueeze(-1), 0)
+        dist.all_reduce(out)
+        return out
+
+
+class VocabParallelHead(Linear):
+    """This rank's rows of the LM head: its columns of the logits (padding rows are zero)."""
+
+    def __init__(self, dim: int, rows: int, start: int, real_rows: int):
+        super().__init__(dim, rows)
+        self.weight.data[real_rows:].zero_()
+        self.start, self.real_rows = start, real_rows
+
+    def tp_slice(self, leaf: str, shard: int | None) -> Slice | None:
+        return (0, self.start, self.real_rows)
+
+
+def build_parallel(cls, cfg: ModelConfig, shard: Shard) -> torch.nn.Module:
+    """This rank's model of family `cls` (under the caller's device and dtype defaults)."""
+    kv_replicas = max(1, shard.size // cfg.num_kv_heads)
+    model = cls(local_config(cfg, shard), ParallelLinearFactory(shard, kv_replicas))
+    start, rows, real = shard.vocab_rows(cfg.vocab_size)
+    model.model.embed_tokens = VocabParallelEmbedding(rows, cfg.hidden_size, start, real)
+    if model.lm_head is not None:
+        model.lm_head = VocabParallelHead(cfg.hidden_size, rows, start, real)
+    return model
+
+
+def read_slice(reader, name: str, module: torch.nn.Module, leaf: str, shard: int | None) -> torch.Tensor:
+    """The part of checkpoint tensor `name` that `module` holds: a slice read from the file for a
+    tensor-parallel module, the whole tensor otherwise."""
+    part = module.tp_slice(leaf, shard) if hasattr(module, "tp_slice") else None
+    if part is None:
+        return reader.get_tensor(name)
+    dim, start, length = part
+    sliced = reader.get_slice(name)
+    index = (slice(None),) * dim + (slice(start, start + length),)
+    return sliced[index]
+
+
+def loaded_rows(module: torch.nn.Module, dest: torch.Tensor) -> torch.Tensor:
+    """The rows of `dest` the checkpoint fills (a vocab-parallel module's padding rows stay zero)."""
+    real = getattr(module, "real_rows", None)
+    return dest if real is None else dest.narrow(0, 0, real)

@@ -1,0 +1,277 @@
+"""Tensor parallelism on CPU (gloo): the sharded engine against the whole one, and the workers' lifetime.
+
+The reference is the TP=1 engine on the same options (itself checked against transformers by
+test_parity and test_engine_equivalence). Both run in float64, so a different summation order across
+ranks cannot flip a greedy choice between near-equal logits. The workload has prompts longer than the
+step's token budget (chunked prefill), prompts sharing prefixes in two rounds (prefix-cache hits),
+n = 2 (copy-on-write of a shared block) and a KV pool small enough to preempt.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from engine import LLM, SamplingParams
+from engine.config import EngineConfig
+from engine.core_client import CoreClient
+from engine.models import loader
+from engine.models.attention_context import AttentionMetadata
+from engine.models.parallel import Shard
+from engine.runner import tp_wire
+from engine.runner.step_inputs import StepBatch, pack, unpack
+from engine.runner.tp_group import TPWorkerError, check_devices
+from engine.runner.tp_model import TPModel
+from tests.test_engine_core import Collector, wait_for
+
+pytestmark = pytest.mark.engine
+ROOT = Path(__file__).resolve().parents[1]
+OPTIONS = dict(device="cpu", dtype="float64", block_size=4, max_num_batched_tokens=32, max_num_seqs=8)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+BLOCKS = 24  # of 4 tokens: the workload preempts (num_preemptions > 0 in both runs)
+
+
+def rounds() -> list[list[list[int]]]:
+    """Two rounds of prompts; the second repeats the first's prefixes (cache hits) with new tails."""
+    shared = [(7 * i + 3) % 2000 for i in range(40)]
+    first = [shared + [11, 12, 13], list(range(300, 370)), shared[:20] + [5, 6], [42] * 3]
+    second = [shared + [21, 22], shared[:24] + list(range(900, 930)), [42] * 3 + [43]]
+    return [first, second]
+
+
+def run(llm: LLM) -> list[tuple[list[list[int]], int]]:
+    """(every sample's token ids, cached prompt tokens) per request, in order."""
+    results = []
+    for prompts in rounds():
+        params = [GREEDY] * (len(prompts) - 1) + [SamplingParams(n=2, temperature=0.0, max_tokens=8)]
+        for r in llm.generate(prompts, params):
+            results.append(([o.token_ids for o in r.outputs], r.cached_tokens))
+    return results
+
+
+def start(model_dir: Path, tp: int, **kw) -> LLM:
+    return LLM(str(model_dir), tensor_parallel_size=tp, **{**OPTIONS, **kw})
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    llm = start(tiny_model_dir, 1, num_blocks=BLOCKS)
+    assert llm.engine.runner.tp is None and not isinstance(llm.engine.runner.model, TPModel)  # no TP path
+    got = run(llm)
+    assert llm.engine.get_stats()["num_preemptions"] > 0
+    return got
+
+
+@pytest.mark.parametrize("tp", [2, 4])  # 4 ranks > 2 KV heads: each KV head on two ranks
+def test_greedy_output_matches_tp1(tiny_model_dir, reference, tp):
+    llm = start(tiny_model_dir, tp, num_blocks=BLOCKS)
+    runner = llm.engine.runner
+    workers = [p.pid for p in runner.tp.procs.values()]
+    try:
+        assert isinstance(runner.model, TPModel) and len(workers) == tp - 1
+        qkv = runner.model.inner.model.layers[0].self_attn.qkv_proj.weight
+        assert qkv.shape[0] == (4 // tp + 2 * max(1, 2 // tp)) * 16  # rank 0 holds only its heads
+        got = run(llm)
+        assert llm.engine.get_stats()["num_preemptions"] > 0
+    finally:
+        runner.shutdown()
+    assert wait_gone(workers) == []  # the workers stop with the engine
+    assert got == reference
+    assert any(cached > 0 for _, cached in got[4:])  # the second round hit the prefix cache
+    assert max(len(p) for p in rounds()[0]) > OPTIONS["max_num_batched_tokens"]  # chunked prefill ran
+
+
+def test_a_forward_header_rebuilds_the_step_rank_0_runs():
+    """A mixed step padded as a graph bucket pads it: the header and two broadcast spans give the
+    workers the same ids, positions and attention metadata (cache-free metadata: separate spans)."""
+    b = StepBatch([5, 6, 7, 8], [0, 1, 2, 9], [4, 5, 6, 13], [3, 1], [3, 10], [[1], [2, 3, 4]])
+    i64, i32 = pack(b, 4, 16, pad_q=0, rows=16)
+    ids, pos, meta = unpack(i64, i32, b, 4, 16, 4, pad_q=0, rows=16, mixed=True)
+    header, spans = tp_wire.encode_forward(ids, pos, meta)
+    assert [s.dtype for s in spans] == [torch.int64, torch.int32]  # the two packed buffers
+    assert tp_wire.span_shapes(header) == [(s.dtype, s.numel()) for s in spans]
+    ids2, pos2, meta2 = tp_wire.decode_forward(header, [s.clone() for s in spans])
+    assert torch.equal(ids2, ids) and torch.equal(pos2, pos)
+    for name in ("cu_seqlens_q", "seq_lens", "slot_mapping", "block_tables"):
+        assert torch.equal(getattr(meta2, name), getattr(meta, name)), name
+    same = ("query_lens_cpu", "seq_lens_cpu", "max_seqlen_q", "max_seqlen_k", "block_size", "mixed")
+    assert all(getattr(meta2, k) == getattr(meta, k) for k in same)
+    free = AttentionMetadata.for_full_sequences([3, 2])
+    header, spans = tp_wire.encode_forward(torch.arange(5), torch.arange(5), free)
+    ids2, _, meta2 = tp_wire.decode_forward(header, spans)
+    assert len(spans) == 4 and meta2.block_tables is None and meta2.slot_mapping is None
+    assert torch.equal(ids2, torch.arange(5)) and meta2.query_lens_cpu == [3, 2]
+
+
+def test_each_rank_reads_only_its_slices(tiny_model_dir, monkeypatch):
+    """TP=4 on 2 KV heads, in-process (loading needs no group): every parameter of rank r is its part of
+    the checkpoint tensor, KV heads replicated on ranks r and r ^ 1; only the norms are read whole."""
+    full = {}
+    with safe_open(str(tiny_model_dir / "model.safetensors"), "pt") as f:
+        full = {name: f.get_tensor(name) for name in f.keys()}
+    whole: list[str] = []
+    monkeypatch.setattr(loader, "safe_open", lambda *a, **k: _Spy(safe_open(*a, **k), whole))
+    for r in range(4):
+        model, _ = loader.load_model(tiny_model_dir, torch.float32, "cpu", False, None, Shard(r, 4))
+        attn, mlp = model.model.layers[1].self_attn, model.model.layers[1].mlp
+        w = {k.removeprefix("model.layers.1."): v for k, v in full.items() if ".1." in k}
+        kv = slice((r // 2) * 16, (r // 2 + 1) * 16)  # the KV head of query head r
+        q_k_v = torch.cat([w["self_attn.q_proj.weight"][r * 16 : (r + 1) * 16],
+                           w["self_attn.k_proj.weight"][kv], w["self_attn.v_proj.weight"][kv]])  # fmt: skip
+        assert torch.equal(attn.qkv_proj.weight, q_k_v)
+        assert torch.equal(attn.o_proj.weight, w["self_attn.o_proj.weight"][:, r * 16 : (r + 1) * 16])
+        cols = slice(r * 32, (r + 1) * 32)
+        gate_up = torch.cat([w["mlp.gate_proj.weight"][cols], w["mlp.up_proj.weight"][cols]])
+        assert torch.equal(mlp.gate_up_proj.weight, gate_up)
+        assert torch.equal(mlp.down_proj.weight, w["mlp.down_proj.weight"][:, cols])
+        rows = slice(r * 512, (r + 1) * 512)
+        assert torch.equal(model.model.embed_tokens.weight, full["model.embed_tokens.weight"][rows])
+        assert torch.equal(model.lm_head.weight, full["lm_head.weight"][rows])
+    assert whole and all("norm" in name for name in whole)
+    assert Shard(1, 2).vocab_rows(2049) == (1025, 1025, 1024)  # the last rank's padding row stays zero
+
+
+class _Spy:
+    """A safetensors reader that records the tensors read whole."""
+
+    def __init__(self, reader, whole: list[str]):
+        self.reader, self.whole = reader, whole
+
+    def __enter__(self):
+        self.inner = self.reader.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.reader.__exit__(*exc)
+
+    def get_tensor(self, name: str):
+        self.whole.append(name)
+        return self.inner.get_tensor(name)
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state not in ("Z", "X")
+
+
+def wait_gone(pids: list[int], timeout: float = 15.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return [p for p in pids if alive(p)]
+
+
+@pytest.mark.parametrize("when", ["idle", "mid-step"])
+def test_a_killed_worker_fails_the_engine_and_leaves_no_process(tiny_model_dir, when):
+    llm = start(tiny_model_dir, 2)
+    procs = list(llm.engine.runner.tp.procs.values())
+    prompt = list(range(10, 50))
+    try:
+        assert llm.generate([prompt], GREEDY)[0].outputs[0].token_ids  # it works first
+        if when == "idle":
+            os.kill(procs[0].pid, signal.SIGKILL)
+        else:  # while the ranks are in their collectives
+            threading.Timer(0.5, os.kill, (procs[0].pid, signal.SIGKILL)).start()
+        began = time.monotonic()
+        with pytest.raises(TPWorkerError, match="rank 1"):
+            llm.generate([prompt] * 4, SamplingParams(temperature=0.0, max_tokens=4000, ignore_eos=True))
+        assert time.monotonic() - began < 30
+        with pytest.raises(TPWorkerError):  # and it stays failed
+            llm.generate([prompt], GREEDY)
+    finally:
+        llm.engine.runner.shutdown()
+    assert wait_gone([p.pid for p in procs]) == []
+
+
+def test_a_dead_worker_fails_the_engine_core_and_its_requests(tiny_model_dir):
+    """In the engine core process (rank 0 there), a killed worker ends the core, which fails its open
+    requests naming the worker: the replica then sees a dead core (check_health) and is replaced."""
+    sink = Collector()
+    config = EngineConfig.from_kwargs(str(tiny_model_dir), tensor_parallel_size=2, device="cpu")
+    core = CoreClient(config, sink)
+    try:
+        workers = sorted(child_pids(core.proc.pid))
+        assert len(workers) == 1
+        rid = core.submit([9] * 8, SamplingParams(temperature=0.0, max_tokens=3000, ignore_eos=True))
+        wait_for(lambda: sink.tokens.get(f"{rid}/0"), what="tokens")
+        os.kill(workers[0], signal.SIGKILL)
+        sink.wait(rid, 30)
+        ((_, reason, error),) = sink.finish[rid]
+        assert reason == "error" and "TPWorkerError: tensor-parallel worker rank 1" in error
+        wait_for(lambda: not core.is_alive(), what="the core to exit")
+    finally:
+        core.shutdown()
+    assert wait_gone(workers) == []
+
+
+def test_workers_die_with_rank_0s_process(tiny_model_dir):
+    """kill -9 of rank 0 (no finalizer runs there): its workers' death signal and pipe EOF end them."""
+    script = (
+        "import sys, time; from engine import LLM; "
+        "llm = LLM(sys.argv[1], tensor_parallel_size=2, device='cpu'); "
+        "print(*[p.pid for p in llm.engine.runner.tp.procs.values()], flush=True); time.sleep(600)"
+    )
+    rank0 = subprocess.Popen([sys.executable, "-c", script, str(tiny_model_dir)], stdout=subprocess.PIPE,
+                             cwd=ROOT, text=True)  # fmt: skip
+    try:
+        pids = [int(p) for p in rank0.stdout.readline().split()]
+        assert pids and all(alive(p) for p in pids)
+    finally:
+        rank0.kill()  # SIGKILL: no finalizer runs in rank 0
+        rank0.wait()
+    assert wait_gone(pids) == []
+
+
+@pytest.mark.parametrize("value", [0, -1, True, "2", 1.5])
+def test_a_bad_tensor_parallel_size_is_refused_by_the_config(value):
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        EngineConfig.from_kwargs("models/x", tensor_parallel_size=value)
+
+
+def child_pids(parent: int | None = None) -> set[int]:
+    me = str(parent or os.getpid())
+    return {int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _ppid(p) == me}
+
+
+def _ppid(proc: Path) -> str | None:
+    try:
+        return proc.joinpath("stat").read_text().rsplit(")", 1)[1].split()[1]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return None
+
+
+def test_a_size_that_does_not_split_the_model_fails_before_any_worker_starts(tiny_model_dir):
+    before = child_pids()
+    with pytest.raises(
+        ValueError, match=r"tensor_parallel_size: 3 does not divide the 4 attention heads.*\[1, 2, 4\]"
+    ):
+        start(tiny_model_dir, 3)
+    with pytest.raises(NotImplementedError, match="tensor_parallel_size 2 with quantization"):
+        start(tiny_model_dir, 2, quantization="fp8")
+    assert child_pids() <= before
+
+
+def test_more_ranks_than_visible_gpus_is_an_error_naming_the_fix():
+    with pytest.raises(
+        ValueError, match="tensor_parallel_size: 4 ranks from cuda:0 need 4 visible GPUs, but 2"
+    ):
+        check_devices(torch.device("cuda"), 4, 2)
+    with pytest.raises(ValueError, match="cuda:1 need 3"):
+        check_devices(torch.device("cuda:1"), 2, 2)
+    check_devices(torch.device("cuda"), 2, 2)
+    check_devices(torch.device("cpu"), 8, 0)  # CPU ranks need no GPU
