@@ -189,8 +189,11 @@ class Server:
 # Ray's default session directory (serve run starts a local Ray; RAY_ADDRESS=local)
 SERVE_LOGS = Path("/tmp/ray/session_latest/logs/serve")
 # the tail of app/replica_support.log_finished's line: ms from the request's arrival at the ingress
-_LATENCY = re.compile(r"queue (\S+) ms, engine ttft (\S+) ms, ttft (\S+) ms, e2e (\S+) ms")
-LATENCY_KEYS = ("queue_ms", "engine_ttft_ms", "replica_ttft_ms", "replica_e2e_ms")
+# (older trees, as a baseline, write no "to core")
+_LATENCY = re.compile(
+    r"(?:to core (\S+) ms, )?queue (\S+) ms, engine ttft (\S+) ms, ttft (\S+) ms, e2e (\S+) ms"
+)
+LATENCY_KEYS = ("to_core_ms", "queue_ms", "engine_ttft_ms", "replica_ttft_ms", "replica_e2e_ms")
 
 
 def replica_log_marks(logs: Path = SERVE_LOGS) -> dict[Path, int]:
@@ -200,9 +203,9 @@ def replica_log_marks(logs: Path = SERVE_LOGS) -> dict[Path, int]:
 
 def replica_log_values(marks: dict[Path, int], logs: Path = SERVE_LOGS) -> dict[str, list[float]]:
     """LATENCY_KEYS -> the values of the replica's per-request lines written since `marks`: where a
-    request's time to first token goes, from its arrival at the ingress (queue: until the core first
-    scheduled it; engine ttft: until the core sampled its first token; replica ttft: until the replica
-    had it)."""
+    request's time to first token goes, from its arrival at the ingress (to core: until the engine core
+    took it; queue: until the core first scheduled it; engine ttft: until the core sampled its first
+    token; replica ttft: until the replica had it)."""
     values: dict[str, list[float]] = {k: [] for k in LATENCY_KEYS}
     for path in replica_log_marks(logs):
         with open(path, "rb") as f:
@@ -210,7 +213,7 @@ def replica_log_values(marks: dict[Path, int], logs: Path = SERVE_LOGS) -> dict[
             text = f.read().decode(errors="replace")
         for match in _LATENCY.finditer(text):
             for key, cell in zip(LATENCY_KEYS, match.groups(), strict=True):
-                if cell != "-":
+                if cell not in (None, "-"):
                     values[key].append(float(cell))
     return values
 

@@ -171,7 +171,10 @@ def _check_value(c: dict) -> str:
     return f"{c['value']:.1%}" if c["unit"] == "ratio" else f"{c['value']:+.1f} ms over offline"
 
 
-LATENCY_COLS = (("queue_ms", "queue"), ("engine_ttft_ms", "engine TTFT"), ("replica_ttft_ms", "replica TTFT"))
+LATENCY_COLS = (
+    ("to_core_ms", "to core"), ("queue_ms", "queue"), ("engine_ttft_ms", "engine TTFT"),
+    ("replica_ttft_ms", "replica TTFT"),
+)  # fmt: skip
 
 
 def _latency_table(runs: list[dict]) -> list[str]:

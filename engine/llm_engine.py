@@ -106,6 +106,7 @@ class LLMEngine:
         if request_id in self.state.requests:
             raise InvalidRequestError(f"request_id: {request_id!r} is already in use", field="request_id")
         request = Request(request_id, ids, params, arrival_time or time.time())
+        request.metrics.added_time = time.time()
         if params.structured is not None:  # compiled (and cached) by admission.check just above
             compiler = structured.compiler_for(self.tokenizer, self.limits.vocab_size)
             request.seqs[0].grammar = self.runner.bitmasks.new_state(params.structured, compiler)
@@ -254,6 +255,12 @@ class LLMEngine:
         return step
 
     # ------------------------------------------------------------------ introspection
+    def check_workers(self) -> None:
+        """Raise TPWorkerError if a tensor-parallel worker has died. A step finds that out by itself;
+        an idle engine core calls this between its polls, so the death fails it without a request."""
+        if self.runner.tp is not None:
+            self.runner.tp.check()
+
     def audit(self) -> list[str]:
         return self.block_manager.audit(self.scheduler.live_tables())
 

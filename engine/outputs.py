@@ -28,6 +28,9 @@ class CompletionDelta:
 @dataclass
 class RequestMetrics:
     arrival_time: float
+    # when the engine took the request: the engine core's add in the server (arrival_time is the
+    # ingress's), add_request offline
+    added_time: float | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     # when the engine sampled the first token, by its own clock: in the server that is the engine core

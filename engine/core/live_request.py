@@ -56,6 +56,7 @@ class LiveRequest:
             m, f = self.metrics, final_metrics
             m.first_scheduled_time, m.engine_token_time = f.first_scheduled_time, f.first_token_time
             m.spec_draft_tokens, m.spec_accepted_tokens = f.spec_draft_tokens, f.spec_accepted_tokens
+            m.added_time = f.added_time
         if fault is not None:  # fault injection (tests only)
             fault("detokenize", self)
         deltas = [d for d in (self._delta(*s) for s in samples) if d is not None]

@@ -69,6 +69,7 @@ class FinalMetrics(NamedTuple):
     first_token_time: float | None
     spec_draft_tokens: int = 0  # speculative proposals
     spec_accepted_tokens: int = 0
+    added_time: float | None = None  # when the core took the request (RequestMetrics.added_time)
 
 
 class Sample(NamedTuple):

@@ -70,7 +70,11 @@ class OutputBuilder:
         if request.finished:
             m = request.metrics
             final_metrics = FinalMetrics(
-                m.first_scheduled_time, m.first_token_time, m.spec_draft_tokens, m.spec_accepted_tokens
+                m.first_scheduled_time,
+                m.first_token_time,
+                m.spec_draft_tokens,
+                m.spec_accepted_tokens,
+                m.added_time,
             )
         # the prompt logprobs once, on the first record after the prompt was scored
         prompt_lps = self._prompt_ready.pop(request, None) if self._prompt_ready else None
