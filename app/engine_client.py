@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from functools import partial
 
@@ -36,7 +37,15 @@ from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("ray.serve")
 Item = dict | ApiError
-RETRIES_UNSTARTED = 2  # engine calls made again when their replica died before accepting them
+# An engine call whose replica could not take it (the replica is gone, or its engine core died) is made
+# again after each of these pauses; Serve routes it anew each time. A dead core refuses at once, so its
+# replica looks the least loaded until Serve stops routing to it, after three failed health checks in a
+# row (EngineDeployment's health_check_period_s apart): the pauses add up to well beyond that.
+RETRY_DELAYS_S = (0.0, 0.25, 0.5, 1.0, 1.5, 2.0, 3.0)
+RETRY_CODES = ("engine_unavailable", "engine_dead")
+# Where no replica is left, Serve holds a call until a new one is up (a model load): the calls made again
+# get this long in all, and then the request is answered with its error (503 with Retry-After).
+RETRY_BUDGET_S = 12.0
 ABORT_BATCH_S = 0.05  # explicit aborts wait this long to share one call (Serve's own cancel goes at once)
 
 
@@ -164,17 +173,24 @@ class EngineClient:
 
 
 async def _first(stream: EngineStream, call: Callable[[], DeploymentResponseGenerator]) -> Item:
-    """The stream's first item. A replica that died before accepting the request loses nothing yet:
-    the call is made again, and Serve routes it to a live replica (at most RETRIES_UNSTARTED times)."""
+    """The stream's first item. A request its replica could not take (the replica or its engine core
+    died) loses nothing yet: the call is made again, and Serve routes it to a live replica. When none
+    takes it by the last of RETRY_DELAYS_S or within RETRY_BUDGET_S, its error (503 with Retry-After) is
+    the answer."""
     item = await stream.next()
-    for _ in range(RETRIES_UNSTARTED):
-        if not (isinstance(item, ApiError) and item.code == "engine_unavailable"):
+    deadline = time.monotonic() + RETRY_BUDGET_S
+    for attempt, delay in enumerate(RETRY_DELAYS_S):
+        if not (isinstance(item, ApiError) and item.code in RETRY_CODES):
             break
-        logger.warning(
-            "engine call %s: its replica was gone before it started; calling again", stream.request_id
-        )
+        if attempt == 0:
+            logger.warning("engine call %s: %s; calling again", stream.request_id, item.message)
+        await asyncio.sleep(delay)
         stream.gen, stream.done, stream.started = call(), False, False
-        item = await stream.next()
+        try:
+            item = await asyncio.wait_for(stream.next(), max(0.1, deadline - time.monotonic()))
+        except TimeoutError:  # no replica took it: none is left until Serve starts one
+            stream.cancel()
+            break
     return item
 
 

@@ -72,9 +72,11 @@ class CoreClient:
         null_step_ms: float | None = None,
         autoflush: bool = True,
         prefix_summary: bool = False,
+        env: dict[str, str] | None = None,
     ):
         """prefix_summary: the core publishes its prefix cache's summary (`prefix_summary()`), for
-        prefix-aware routing; without it the core never builds one."""
+        prefix-aware routing; without it the core never builds one. env: variables set in the core's
+        environment (and its tensor-parallel workers'), e.g. the GPUs of a server's placement group."""
         self.tokenizer = Tokenizer.from_dir(config.load.model)
         self.model_name = config.load.model.rstrip("/").split("/")[-1]
         self._on_step = on_step
@@ -89,14 +91,14 @@ class CoreClient:
         self._stats: dict = {}
         self._prefix_summary: tuple[int, list[int]] = (1, [])
         self._audit: list[str] = []
-        self.proc, self._conn = self._start(Start(config, null_step_ms, prefix_summary))
+        self.proc, self._conn = self._start(Start(config, null_step_ms, prefix_summary), env or {})
         self.limits: admission.Limits = self._conn.recv_ready()
         self.max_model_len = self.limits.max_model_len
         structured.warm_up(self.tokenizer, self.limits.vocab_size)  # admission compiles constraints here too
         threading.Thread(target=self._read, name="core-reader", daemon=True).start()
 
     # ------------------------------------------------------------------ starting the core
-    def _start(self, start: Start):
+    def _start(self, start: Start, extra_env: dict[str, str]):
         """Spawn the core from a keeper thread that then waits on it for the core's whole life: the
         core's death signal is tied to the thread that started it (engine/core/process.py). The reader thread,
         not the keeper, reports the core's end: it sees EOF only after the core's last message."""
@@ -107,6 +109,7 @@ class CoreClient:
         def keeper() -> None:
             env = {
                 **os.environ,
+                **extra_env,
                 "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
             }
             cmd = [sys.executable, "-m", "engine.core.process", str(theirs.fileno()), str(os.getpid())]
@@ -143,6 +146,10 @@ class CoreClient:
         admission.check(ids, params, self.limits, self.tokenizer)
         arrival = arrival_time or time.time()
         with self._lock:
+            # checked again under the lock that `_fail_all` holds: a request added after the core's
+            # death was declared would never get its final output
+            if self.death is not None:
+                raise EngineDeadError(f"the engine core is not running ({self.death})")
             if len(self._live) >= self.limits.max_num_seqs + self.limits.max_waiting:
                 raise QueueFullError("the engine is at capacity: retry later")
             request_id = request_id or f"req-{uuid.uuid4().hex}"

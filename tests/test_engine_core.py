@@ -157,6 +157,27 @@ def test_killing_the_core_fails_open_requests(tiny_model_dir):
         c.shutdown()
 
 
+def test_a_request_submitted_as_the_core_dies_is_refused(tiny_model_dir, monkeypatch):
+    """The core dies while `submit` checks a request (after its first look at the core): the request
+    must be refused, not added behind the failure of the open ones, where no final output would come."""
+    from engine import core_client
+
+    c = CoreClient(EngineConfig.from_kwargs(str(tiny_model_dir)), Collector())
+    check = core_client.admission.check
+
+    def check_while_the_core_dies(*args, **kwargs) -> None:
+        check(*args, **kwargs)
+        os.kill(c.proc.pid, signal.SIGKILL)
+        wait_for(lambda: c.death is not None, what="the client to see the core's death")
+
+    monkeypatch.setattr(core_client.admission, "check", check_while_the_core_dies)
+    try:
+        with pytest.raises(EngineDeadError):
+            c.submit([9] * 8, SamplingParams(max_tokens=4))
+    finally:
+        c.shutdown()
+
+
 def test_the_core_dies_with_the_process_that_started_it(tiny_model_dir, tmp_path):
     """kill -9 of the starting process (a replica in the server) leaves no orphan core."""
     script = textwrap.dedent(f"""

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import re
+import signal
 import threading
 import time
 from dataclasses import replace
@@ -22,7 +24,7 @@ import httpx
 import pytest
 
 from benchmarks.prefix_workload import Workload, _one, run
-from tests.serving_fixtures import start_server, stop_server, wait_until
+from tests.serving_fixtures import process_alive, start_server, stop_server, wait_until
 
 pytestmark = [pytest.mark.serving, pytest.mark.slow]
 BLOCKS = 160  # per replica: about 5 of the workload's 8 prefixes (24 blocks each) and the running turns
@@ -88,34 +90,61 @@ def _kill_one_engine_replica() -> str:
     return victim["name"]
 
 
-def test_losing_a_replica_loses_no_request_that_had_not_started_streaming(tiny_model_dir):
-    """Streaming requests run 8 at a time while one engine replica is killed. A request the dead
+def _kill_one_core(server) -> int:
+    core = httpx.get(f"{server.url}/v1/engine/stats", timeout=10).json()["core_pid"]
+    os.kill(core, signal.SIGKILL)
+    return core
+
+
+def _replicas(server) -> set[int]:
+    """Engine replicas with a live core that answer stats calls (Serve spreads them over the replicas)."""
+    answers = [httpx.get(f"{server.url}/v1/engine/stats", timeout=10) for _ in range(16)]
+    stats = [a.json() for a in answers if a.status_code == 200]
+    return {s["pid"] for s in stats if process_alive(s["core_pid"])}
+
+
+def _load_through(server, prompts: list[list[int]], kill) -> list[dict]:
+    """The prompts as streamed completions, 8 at a time, with `kill()` run 2 s in. A request the dead
     replica had accepted may end with an error event after its 200 (it had started streaming); every
     other request must succeed: those routed to the dead replica are made again on the live one."""
+    killed: list = []
+
+    async def load() -> list[dict]:
+        todo = iter(prompts)
+
+        async def worker(http: httpx.AsyncClient) -> list[dict]:
+            return [await _one(http, server.model, p, 48) for p in todo]
+
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
+            return sum(await asyncio.gather(*(worker(http) for _ in range(8))), [])
+
+    timer = threading.Timer(2.0, lambda: killed.append(kill()))
+    timer.start()
+    t0 = time.monotonic()
+    results = asyncio.run(load())
+    timer.join()
+    assert killed and time.monotonic() - t0 > 2.0, "the load ended before the kill"
+    refused = [r for r in results if r["status"] != 200]
+    cut = [r for r in results if r["status"] == 200 and "error" in r]
+    assert refused == [], refused[:3]
+    assert len(results) == len(prompts) and len(cut) <= 8, cut[:3]  # at most the open streams (8 workers)
+    return results
+
+
+def test_losing_a_replica_loses_no_request_that_had_not_started_streaming(tiny_model_dir):
+    """Streaming requests run 8 at a time while one engine replica is killed; once Serve has replaced
+    it, again while one replica's engine core is killed. A dead core refuses at once, which makes its
+    replica look the least loaded: the ingress must call again until Serve's health check takes the
+    replica out of routing (app/engine_client.py, app/engine_deployment.py)."""
     with serving(tiny_model_dir, TWO) as server:
         vocab = _vocab(server)
         prompts = [[(7 * i + j) % (vocab - 16) + 8 for j in range(40 + i % 50)] for i in range(160)]
-        killed: list[str] = []
-
-        async def load() -> list[dict]:
-            todo = iter(prompts)
-
-            async def worker(http: httpx.AsyncClient) -> list[dict]:
-                return [await _one(http, server.model, p, 48) for p in todo]
-
-            async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
-                return sum(await asyncio.gather(*(worker(http) for _ in range(8))), [])
-
-        timer = threading.Timer(2.0, lambda: killed.append(_kill_one_engine_replica()))
-        timer.start()
-        t0 = time.monotonic()
-        results = asyncio.run(load())
-        timer.join()
-        assert killed and time.monotonic() - t0 > 2.0, "the load ended before the replica was killed"
-        refused = [r for r in results if r["status"] != 200]
-        cut = [r for r in results if r["status"] == 200 and "error" in r]
-        assert refused == [], refused[:3]
-        assert len(results) == len(prompts) and len(cut) <= 8, cut[:3]  # at most the open streams (8 workers)
+        _load_through(server, prompts, _kill_one_engine_replica)
+        wait_until(lambda: len(_replicas(server)) == 2, 90, "Serve to replace the killed replica")
+        # prompts no replica holds: the router goes by load, and the dead core's replica has none
+        fresh = [[(11 * i + j) % (vocab - 16) + 8 for j in range(30 + i % 40)] for i in range(80)]
+        _load_through(server, fresh, lambda: _kill_one_core(server))
+        wait_until(lambda: len(_replicas(server)) == 2, 90, "Serve to replace the replica of the dead core")
         after = httpx.post(
             f"{server.url}/v1/completions",
             json={"model": server.model, "prompt": [9, 10, 11], "max_tokens": 2},
