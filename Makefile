@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 MODEL_DIR ?= models/tiny-llama
 
-.PHONY: serve test test-long test-clients restart-check lint format model bench-gpu clean
+.PHONY: serve test test-long test-clients restart-check restart-repeat chaos lint format model bench-gpu clean
 
 .venv/.installed: pyproject.toml scripts/setup_venv.sh
 	bash scripts/setup_venv.sh
@@ -26,7 +26,7 @@ format: .venv/.installed
 	.venv/bin/ruff check --fix .
 
 # Long runs stay out of `make test` (15 minutes at most on a 2-core machine): `make test-long` runs them.
-LONG_TESTS := tests/test_hardening.py::test_soak_2min_w2
+LONG_TESTS := tests/test_hardening.py::test_soak_2min_w2 tests/test_serving_chaos.py
 
 test: .venv/.installed lint $(MODEL_DIR)/config.json
 	$(PY) -m pytest -q -p no:cacheprovider tests $(addprefix --deselect ,$(LONG_TESTS))
@@ -53,6 +53,23 @@ test-clients: .venv/.installed $(MODEL_DIR)/config.json $(CLIENTS)/.installed
 # round must return within 10 s and leave no process and no bound port.
 restart-check: .venv/.installed $(MODEL_DIR)/config.json
 	$(PY) -m scripts.restart_check --rounds 10 --out benchmarks/reports/restart_check_cpu
+
+# The rolling-update and scale-down tests (a redeploy with one replica fewer while streams run on both,
+# and autoscaling's drain) 20 times in a row; the first failure stops it. Run the test suite beside it
+# for issue 51's "under the same load".
+RESTART_TESTS := tests/test_serving_scaleout.py::test_scale_down_lets_the_leaving_replica_finish_its_streams \
+	tests/test_serving_scaleout.py::test_autoscaling_adds_a_replica_under_load_and_drains_it_when_the_load_ends
+restart-repeat: .venv/.installed $(MODEL_DIR)/config.json
+	for i in $$(seq 20); do \
+		echo "restart-repeat: run $$i of 20"; \
+		$(PY) -m pytest -q -p no:cacheprovider $(RESTART_TESTS) || exit 1; \
+	done
+
+# The fault benchmark (scripts/chaos.py): three rounds of a redeploy, a scale-down, kill -9 of an engine
+# core and of a replica, Ctrl-C and restart, under W2 load against `serve run` with two engine replicas
+# on a free port. Exit 1 on any lost request, stream cut without an error event, or leftover.
+chaos: .venv/.installed $(MODEL_DIR)/config.json
+	$(PY) -m scripts.chaos --rounds 3 --out benchmarks/reports/chaos_cpu
 
 clean:
 	rm -rf .venv models .pytest_cache .ruff_cache

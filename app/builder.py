@@ -18,6 +18,7 @@ from app.engine_deployment import EngineDeployment
 from app.ingress import Ingress
 from app.security import DEFAULT_MAX_BODY_BYTES
 from app.tool_calls import resolve_parser
+from app.tp_placement import engine_resources
 from engine.config import EngineConfig
 
 # Serve-level slots on the engine deployment beyond our own admission limit, so that a stream over the
@@ -36,8 +37,14 @@ class AppArgs(BaseModel):
     model: str = Field("models/tiny-llama", description="local HF-format checkpoint directory")
     served_model_name: str | None = Field(None, description="API model name; default: directory name")
     engine: dict[str, Any] = Field(default_factory=dict, description="EngineConfig.from_kwargs options")
-    num_gpus: float | None = Field(None, description="per engine replica; default 1 if CUDA, else 0")
-    engine_num_cpus: float = 1.0
+    num_gpus: float | None = Field(
+        None,
+        description="per engine replica; default 1 if CUDA, else 0. With engine.tensor_parallel_size P > 1: "
+        "P (the default with CUDA: one GPU per rank, on one node) or 0 (ranks on CPUs)",
+    )
+    engine_num_cpus: float = Field(
+        1.0, description="per engine replica; with engine.tensor_parallel_size P > 1, per rank"
+    )
     num_replicas: int = Field(1, ge=1, description="engine replicas (ignored with autoscaling_config)")
     autoscaling_config: dict[str, Any] | None = Field(None, description="Serve autoscaling for the engine")
     max_ongoing_requests: int = Field(256, ge=1, description="open streams per engine replica; 503 beyond")
@@ -122,26 +129,27 @@ def resolve_model_dir(path: str) -> str:
 def build_app(args: AppArgs) -> Application:
     model = resolve_model_dir(args.model)
     try:
-        block_size = EngineConfig.from_kwargs(model, **args.engine).cache.block_size
+        config = EngineConfig.from_kwargs(model, **args.engine)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"args.engine: {exc}") from exc
     routing = _routing(args)
     name = args.served_model_name or os.path.basename(model.rstrip("/"))
-    engine = _bind_engine(args, model, name, routing)
-    prefix_keys = {"model_dir": model, "block_size": block_size} if routing else None
+    engine = _bind_engine(args, model, name, routing, config.tensor_parallel_size)
+    prefix_keys = {"model_dir": model, "block_size": config.cache.block_size} if routing else None
     return _bind_ingress(args, engine, model, name, prefix_keys)
 
 
-def _bind_engine(args: AppArgs, model: str, name: str, routing: dict[str, Any]) -> Application:
-    """The engine deployment: its replicas' resources, scaling and request router, and its arguments."""
-    num_gpus = args.num_gpus if args.num_gpus is not None else (1 if _cuda_available() else 0)
+def _bind_engine(args: AppArgs, model: str, name: str, routing: dict[str, Any], tp: int) -> Application:
+    """The engine deployment: its replicas' resources (a placement group of `tp` ranks where tp > 1),
+    scaling and request router, and its arguments."""
+    resources = engine_resources(args.num_gpus, args.engine_num_cpus, tp, _cuda_available)
     scaling: dict[str, Any] = (
         {"autoscaling_config": args.autoscaling_config}
         if args.autoscaling_config
         else {"num_replicas": args.num_replicas}
     )
     return EngineDeployment.options(
-        ray_actor_options={"num_gpus": num_gpus, "num_cpus": args.engine_num_cpus},
+        **resources,
         max_ongoing_requests=args.max_ongoing_requests + _CONTROL_HEADROOM,
         graceful_shutdown_timeout_s=args.engine_graceful_shutdown_timeout_s,
         **scaling,

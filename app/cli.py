@@ -29,6 +29,7 @@ from pydantic import ValidationError
 
 from app.builder import AppArgs
 from app.cli_flags import Flag, add_flags, all_flags, flag_of, overrides
+from app.tp_placement import check_num_gpus
 from engine.config import EngineConfig
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "serve_config.yaml"
@@ -96,10 +97,14 @@ def check(config: dict[str, Any], flags: list[Flag], source: Path) -> None:
         key = ".".join(str(part) for part in error["loc"])
         raise UsageError(flag_of(key, flags) or f"{source}: args.{key}", error["msg"]) from exc
     try:
-        EngineConfig.from_kwargs(args["model"], **copy.deepcopy(args["engine"]))
+        engine = EngineConfig.from_kwargs(args["model"], **copy.deepcopy(args["engine"]))
     except (TypeError, ValueError) as exc:
         key = str(exc).split(":")[0].split(".")[0]
         raise UsageError(flag_of(key, flags) or f"{source}: args.engine", str(exc)) from exc
+    try:
+        check_num_gpus(args.get("num_gpus"), engine.tensor_parallel_size)
+    except ValueError as exc:
+        raise UsageError(flag_of("num_gpus", flags), str(exc)) from exc
 
 
 def load(argv: list[str]) -> tuple[argparse.Namespace, dict[str, Any]]:

@@ -43,6 +43,7 @@ from app.errors import ApiError, from_engine_error, internal, overloaded
 from app.metrics import ServerMetrics
 from app.replica_support import flush_log_buffer, log_finished, rss_bytes
 from app.streaming import Pacer, Stream, to_wire
+from app.tp_placement import core_env
 from engine.config import EngineConfig
 from engine.errors import EngineError, PromptTooLongError
 from engine.outputs import RequestOutput
@@ -53,7 +54,10 @@ ITL_FLUSH_S = 0.1
 SWITCH_INTERVAL_S = 0.001
 
 
-@serve.deployment(name="EngineDeployment", health_check_period_s=5, health_check_timeout_s=30)
+# A replica whose engine core died refuses every request at once, which makes it look the least loaded:
+# Serve must notice it soon (`check_health`, a cheap call; Serve acts on the third failure in a row) and
+# stop routing to it, within the ingress's retries of a refused request (app/engine_client.py).
+@serve.deployment(name="EngineDeployment", health_check_period_s=1, health_check_timeout_s=30)
 class EngineDeployment:
     def __init__(
         self,
@@ -83,7 +87,8 @@ class EngineDeployment:
         # a thread woken by I/O should not wait the default 5 ms for the running one to yield.
         sys.setswitchinterval(SWITCH_INTERVAL_S)
         config = EngineConfig.from_kwargs(model, **engine_options)
-        self.engine = CoreClient(config, self._on_step, null_core_step_ms, False, prefix_summary)
+        env = core_env(config.tensor_parallel_size)  # with TP on GPUs: every rank's GPU, rank 0's first
+        self.engine = CoreClient(config, self._on_step, null_core_step_ms, False, prefix_summary, env)
         self._limit = max_ongoing_requests
         self._pacer = Pacer(stream_interval_ms / 1000.0, stream_items_per_s)
         self._retry_after = retry_after_s

@@ -93,11 +93,17 @@ def _build(import_path: str, args: dict):
 
 
 def start_server(
-    model_dir: Path, overrides: dict | None = None, address: str | None = None, deregister_s: float | None = 0
+    model_dir: Path,
+    overrides: dict | None = None,
+    address: str | None = None,
+    deregister_s: float | None = 0,
+    fake_gpus: int = 0,
 ) -> Server:
     """`overrides` are merged into `args` after TEST_OVERRIDES (nested dicts key by key). `address`: join
     that Ray cluster instead of starting one (its nodes' CPUs, not 2); the HTTP front on the head only.
-    `deregister_s`: see DEREGISTER_ENV. A running shared server is stopped first."""
+    `deregister_s`: see DEREGISTER_ENV. `fake_gpus`: Ray counts this many GPUs on a machine without them
+    (placement tests: Ray assigns their ids as it would real ones). A running shared server is stopped
+    first."""
     import ray
     from ray import serve
 
@@ -110,6 +116,8 @@ def start_server(
     global ray_driver_started
     ray_driver_started = True
     where = {"address": address} if address else {"num_cpus": 2, "include_dashboard": False}
+    if fake_gpus:
+        where["num_gpus"] = fake_gpus
     context = ray.init(
         **where,
         log_to_driver=False,

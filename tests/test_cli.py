@@ -122,6 +122,8 @@ def test_print_config_round_trips(capsys):
         (["--tool-call-parser", "xml"], "--tool-call-parser"),
         (["--max-ongoing-requests", "0"], "--max-ongoing-requests"),
         (["--port", "70000"], "--port"),
+        (["--tensor-parallel-size", "0"], "--tensor-parallel-size"),
+        (["--tensor-parallel-size", "2", "--num-gpus", "1"], "--num-gpus"),  # TP reserves 2 whole GPUs
     ],
 )
 def test_a_bad_flag_or_value_exits_2_naming_the_flag(argv, named, capsys):

@@ -125,3 +125,6 @@ class NullEngine:
 
     def audit(self) -> list[str]:
         return []
+
+    def check_workers(self) -> None:
+        pass  # no model, no tensor-parallel workers

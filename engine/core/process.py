@@ -20,7 +20,8 @@ SGLang's scheduler process exist for the same reason).
 
 Lifetime: the core never outlives its replica. It asks the kernel for SIGKILL when the thread that
 started it goes away (PR_SET_PDEATHSIG; that thread lives as long as the replica), and a closed
-socket (EOF, or EPIPE on send) ends the loop too.
+socket (EOF, or EPIPE on send) ends the loop too. Its tensor-parallel workers, if any, never outlive
+it (engine/runner/tp_group.py), and one that dies fails the core, idle or not: Dead, then exit 1.
 """
 
 from __future__ import annotations
@@ -121,6 +122,9 @@ class EngineCore:
                 idle_sent = True
             elif self._busy_shown:  # the running GPU-busy estimate decays to 0 while idle
                 self.conn.send(Step(Records.of([]), self.stats()))
+            # a tensor-parallel worker that died while nothing ran fails the core now (TPWorkerError),
+            # so the replica turns unhealthy within IDLE_POLL_S instead of at its next request
+            self.engine.check_workers()
             self.read(timeout=0.0 if self.deferred else IDLE_POLL_S)
 
     def send_step(self, records: Records) -> None:
