@@ -23,7 +23,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -32,7 +34,7 @@ from tqdm import tqdm
 
 from scripts.chaos_load import Load, count
 from scripts.chaos_server import ChaosServer
-from scripts.restart_check import ROOT, free_port, wait_for
+from scripts.restart_check import ROOT, port_answers, wait_for
 
 FAULTS = ("redeploy", "scale_down", "kill_core", "kill_replica", "ctrl_c_restart")
 EXTRA_FAULTS = ("kill_ingress",)  # on request only (--faults)
@@ -119,6 +121,26 @@ COLUMNS = ("round", "fault", "ok", "lost", "refused", "cut, no error event", "on
            "error status", "serving again", "replicas back", "KV leaks", "left after stop")  # fmt: skip
 
 
+def quiet_port() -> int:
+    """A free port below the kernel's ephemeral range. The servers beside this one (the test suite's)
+    take theirs from that range (bind to port 0), and one of them could take this server's port while
+    it restarts: HAProxy listens with SO_REUSEPORT, so both would then answer on it."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for port in random.Random(os.getpid()).sample(range(max(1024, low - 12000), low), 200):
+        if not port_answers(port) and _bindable(port):
+            return port
+    raise RuntimeError("no free port below the ephemeral range; pass --port")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+    return True
+
+
 def report(rounds: list[dict], args) -> tuple[dict, str]:
     ok = sum(r["ok"] for r in rounds)
     data = {"command": " ".join(["python -m scripts.chaos", *sys.argv[1:]]), "users": args.users,
@@ -162,7 +184,7 @@ def main() -> int:
     p.add_argument("--gen-scale", type=float, default=0.25, help="W2 generation lengths times this")
     p.add_argument("--settle-s", type=float, default=5.0, help="seconds of load after each fault")
     p.add_argument("--model", type=Path, default=ROOT / "models" / "tiny-llama")
-    p.add_argument("--port", type=int, default=0, help="0: a free port (never 8000)")
+    p.add_argument("--port", type=int, default=0, help="0: a free port below the ephemeral range")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "reports" / "chaos_cpu")
     args = p.parse_args()
     faults = [f for f in args.faults.split(",") if f]
@@ -184,7 +206,7 @@ def workdir(port: int) -> Path:
 
 
 def run(args, faults: list[str]) -> list[dict]:
-    port = args.port or free_port()
+    port = args.port or quiet_port()
     server = ChaosServer(args.model.resolve(), port, workdir(port))
     rounds = []
     with tqdm(total=args.rounds * len(faults), desc="chaos", unit="fault") as bar:

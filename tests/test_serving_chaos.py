@@ -18,7 +18,6 @@ import shutil
 import pytest
 
 from scripts import chaos
-from scripts.restart_check import free_port
 
 pytestmark = [pytest.mark.serving, pytest.mark.slow]
 USERS = 3
@@ -26,7 +25,7 @@ USERS = 3
 
 def test_a_killed_engine_core_loses_no_request_and_comes_back(tiny_model_dir):
     args = argparse.Namespace(users=USERS, prompt_scale=0.25, gen_scale=0.25, settle_s=2.0, rounds=1)
-    args.model, args.port = tiny_model_dir, free_port()
+    args.model, args.port = tiny_model_dir, chaos.quiet_port()
     try:
         (rnd,) = chaos.run(args, ["kill_core"])
     finally:  # serve run's logs and Ray session, kept by the script for a look after a failed round
