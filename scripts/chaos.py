@@ -21,11 +21,9 @@ event, or anything was left behind.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import signal
-import socket
 import sys
 import time
 from pathlib import Path
@@ -34,7 +32,7 @@ from tqdm import tqdm
 
 from scripts.chaos_load import Load, count
 from scripts.chaos_server import ChaosServer
-from scripts.restart_check import ROOT, port_answers, wait_for
+from scripts.restart_check import ROOT, port_answers, port_bindable, wait_for, write_report
 
 FAULTS = ("redeploy", "scale_down", "kill_core", "kill_replica", "ctrl_c_restart")
 EXTRA_FAULTS = ("kill_ingress",)  # on request only (--faults)
@@ -127,18 +125,9 @@ def quiet_port() -> int:
     it restarts: HAProxy listens with SO_REUSEPORT, so both would then answer on it."""
     low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     for port in random.Random(os.getpid()).sample(range(max(1024, low - 12000), low), 200):
-        if not port_answers(port) and _bindable(port):
+        if not port_answers(port) and port_bindable(port):
             return port
     raise RuntimeError("no free port below the ephemeral range; pass --port")
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("0.0.0.0", port))
-        except OSError:
-            return False
-    return True
 
 
 def report(rounds: list[dict], args) -> tuple[dict, str]:
@@ -192,12 +181,7 @@ def main() -> int:
     if unknown:
         p.error(f"--faults: unknown {sorted(unknown)}; choose from {', '.join(FAULTS + EXTRA_FAULTS)}")
     rounds = run(args, faults)
-    data, text = report(rounds, args)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_name(args.out.name + ".json").write_text(json.dumps(data, indent=1))
-    args.out.with_name(args.out.name + ".md").write_text(text)
-    print(text)
-    return 0 if data["passed"] == data["of"] else 1
+    return write_report(args.out, *report(rounds, args))
 
 
 def workdir(port: int) -> Path:

@@ -49,6 +49,25 @@ def port_answers(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
+def port_bindable(port: int) -> bool:
+    """Nothing holds the port: a socket can bind it on every address."""
+    with socket.socket() as s:
+        try:
+            s.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+    return True
+
+
+def write_report(out: Path, data: dict, text: str) -> int:
+    """OUT.json and OUT.md, the markdown printed; the exit status: 0 when every round passed."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_name(out.name + ".json").write_text(json.dumps(data, indent=1))
+    out.with_name(out.name + ".md").write_text(text)
+    print(text)
+    return 0 if data["passed"] == data["of"] else 1
+
+
 def session_pids(sid: int) -> list[int]:
     out = subprocess.run(["ps", "-eo", "pid=,sid="], capture_output=True, text=True).stdout
     return [int(p) for p, s in (line.split() for line in out.splitlines()) if int(s) == sid]
@@ -176,12 +195,7 @@ def main() -> int:
     for i in range(args.rounds):
         rounds.append(one_round(config, port, workdir / f"serve_{i}.log", args))
         print(f"round {i + 1}: {rounds[-1]}", flush=True)
-    data, text = report(rounds, args)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_name(args.out.name + ".json").write_text(json.dumps(data, indent=1))
-    args.out.with_name(args.out.name + ".md").write_text(text)
-    print(text)
-    return 0 if data["passed"] == data["of"] else 1
+    return write_report(args.out, *report(rounds, args))
 
 
 if __name__ == "__main__":

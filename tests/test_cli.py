@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +23,7 @@ from app.builder import AppArgs
 from app.cli import as_yaml, load, main
 from app.cli_flags import all_flags, engine_options
 from engine.config import EngineConfig
+from scripts.restart_check import port_bindable
 from tests.serving_fixtures import ROOT, _free_port, serve_test_env, wait_until
 
 BASE = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
@@ -133,15 +133,6 @@ def test_a_bad_flag_or_value_exits_2_naming_the_flag(argv, named, capsys):
     assert named in capsys.readouterr().err
 
 
-def _port_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("0.0.0.0", port))
-        except OSError:
-            return False
-    return True
-
-
 def _session_pids(sid: int) -> list[int]:
     out = subprocess.run(["ps", "-eo", "pid=,sid="], capture_output=True, text=True).stdout
     return [int(p) for p, s in (line.split() for line in out.splitlines()) if int(s) == sid]
@@ -178,7 +169,7 @@ def test_minserve_serve_answers_the_readme_curl_and_stops_on_ctrl_c(tmp_path):
         assert resp.json()["choices"][0]["text"]
         proc.send_signal(signal.SIGINT)
         assert proc.wait(90) == 0
-        wait_until(lambda: _port_free(port), 30, f"port {port} to be free")
+        wait_until(lambda: port_bindable(port), 30, f"port {port} to be free")
         wait_until(lambda: not _session_pids(proc.pid), 30, "every process of minserve's Ray to exit")
     finally:
         for pid in _session_pids(proc.pid):
