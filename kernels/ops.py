@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Sequence
 
 import torch
 
-from kernels import torch_ops
+from kernels import torch_lora, torch_ops
+from kernels.lora_mapping import LoraMapping
 
 _FORCE_TORCH = os.environ.get("MINSERVE_TORCH_KERNELS", "0") == "1"
 
@@ -306,3 +308,36 @@ def apply_token_bitmask(
 
         return triton_bitmask.apply_token_bitmask(logits, bitmask, rows)
     return torch_ops.apply_token_bitmask(logits, bitmask, rows)
+
+
+def lora_mapping(token_slots: torch.Tensor, num_slots: int) -> LoraMapping:
+    """Rows grouped by LoRA adapter slot (token_slots [T] int32, -1 = no adapter), built on
+    token_slots' device with capturable torch ops on every path (kernels.lora_mapping)."""
+    return torch_lora.lora_mapping(token_slots, num_slots)
+
+
+def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, mapping: LoraMapping) -> torch.Tensor:
+    """x [T, K] @ each row's slot of lora_a [S, R, K] -> [T, R] float32 (0 for rows without an adapter):
+    kernels.triton_lora.lora_shrink on CUDA, torch_lora.lora_shrink elsewhere."""
+    if use_triton(x):
+        from kernels import triton_lora
+
+        return triton_lora.lora_shrink(x, lora_a, mapping)
+    return torch_lora.lora_shrink(x, lora_a, mapping)
+
+
+def lora_expand(
+    y: torch.Tensor,
+    s: torch.Tensor,
+    lora_b: torch.Tensor,
+    mapping: LoraMapping,
+    slice_offsets: Sequence[int],
+) -> None:
+    """In place y[t, off[i]:off[i+1]] += lora_b[slot[t], off[i]:off[i+1]] @ s[t, i*r:(i+1)*r] for every
+    slice i in one launch on CUDA (kernels.triton_lora.lora_expand); torch_lora.lora_expand elsewhere."""
+    if use_triton(y):
+        from kernels import triton_lora
+
+        triton_lora.lora_expand(y, s, lora_b, mapping, slice_offsets)
+        return
+    torch_lora.lora_expand(y, s, lora_b, mapping, slice_offsets)

@@ -110,6 +110,21 @@ def _attention_and_cache(hq: int, hk: int, d: int, window: int | None, cap: floa
     pre.prefill_attention(q, k, k, cu, torch.tensor([3, 3]), 3, 0.1, None, window, cap)
 
 
+def _lora() -> list:
+    """Batched LoRA shrink / expand: 8B qkv (3 slices) and down, decode and prefill tiles, rank 16 / 64."""
+    from kernels import torch_lora, triton_lora
+
+    for t in (1, 4096):
+        mapping = torch_lora.lora_mapping(torch.zeros(t, dtype=torch.int32), 8)
+        for r in (16, 64):
+            for k, off in [(4096, [0, 4096, 5120, 6144]), (14336, [0, 4096])]:
+                x, n_slices = torch.randn(t, k, **BF16), len(off) - 1
+                s = triton_lora.lora_shrink(x, torch.randn(8, n_slices * r, k, **BF16), mapping)
+                y = torch.randn(t, off[-1], **BF16)
+                triton_lora.lora_expand(y, s, torch.randn(8, off[-1], r, **BF16), mapping, off)
+    return [triton_lora._shrink_kernel, triton_lora._expand_kernel]
+
+
 def kernels() -> int:
     """Every served kernel; Llama-3.1-8B, a Gemma-2-9B local layer and a head_dim-64 model."""
     from kernels import triton_decode_attention as dec
@@ -121,6 +136,7 @@ def kernels() -> int:
         _attention_and_cache(*case)
     fns += [triton_rope._rope_kernel, triton_rope._rope_store_kv_kernel, triton_kv._store_kv_kernel,
             dec._decode_split_kernel, pre._prefill_kernel]  # fmt: skip
+    fns += _lora()
     failures = 0
     print(f"{'kernel':<24}{'variants':>9}{'max smem':>10}  16-byte global loads")
     for fn in fns:
