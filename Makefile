@@ -28,7 +28,8 @@ format: .venv/.installed
 # Long runs stay out of `make test` (15 minutes at most on a 2-core machine): `make test-long` runs them.
 LONG_TESTS := tests/test_hardening.py::test_soak_2min_w2 tests/test_serving_chaos.py \
 	tests/test_serving_scaleout.py::test_prefix_routing_keeps_the_single_replica_hit_rate \
-	tests/test_serving_scaleout.py::test_autoscaling_adds_a_replica_under_load_and_drains_it_when_the_load_ends
+	tests/test_serving_scaleout.py::test_autoscaling_adds_a_replica_under_load_and_drains_it_when_the_load_ends \
+	tests/test_kv_offload_serving.py::test_the_benchmark_smoke_serves_w4_with_the_tier_off_and_on
 
 test: .venv/.installed lint $(MODEL_DIR)/config.json
 	$(PY) -m pytest -q -p no:cacheprovider tests $(addprefix --deselect ,$(LONG_TESTS))

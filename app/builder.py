@@ -16,6 +16,7 @@ from ray.serve import Application
 
 from app.engine_deployment import EngineDeployment
 from app.ingress import Ingress
+from app.lora_modules import parse_lora_modules
 from app.security import DEFAULT_MAX_BODY_BYTES
 from app.tool_calls import resolve_parser
 from app.tp_placement import engine_resources
@@ -102,6 +103,16 @@ class AppArgs(BaseModel):
         description="prefix-aware routing sends a request to the least loaded replica unless another holds "
         "more than this share of its prompt's blocks beyond what that one holds (0: always follow the cache)",
     )
+    lora_modules: dict[str, str] | list[str | dict[str, str]] | None = Field(
+        None,
+        description="LoRA adapters served under their own model names (needs engine.enable_lora): "
+        "{name: path}, or vLLM's --lora-modules list of 'name=path' or {name, path}",
+    )
+    allow_runtime_lora_updating: bool = Field(
+        False,
+        description="POST /v1/load_lora_adapter and /v1/unload_lora_adapter exist (vLLM's "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING); behind api_key when one is set",
+    )
     engine_graceful_shutdown_timeout_s: float = Field(
         120.0,
         gt=0,
@@ -132,11 +143,33 @@ def build_app(args: AppArgs) -> Application:
         config = EngineConfig.from_kwargs(model, **args.engine)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"args.engine: {exc}") from exc
-    routing = _routing(args)
     name = args.served_model_name or os.path.basename(model.rstrip("/"))
+    lora = _lora(args, config, model, name)
+    routing = _routing(args, _max_adapters(config))
     engine = _bind_engine(args, model, name, routing, config.tensor_parallel_size)
     prefix_keys = {"model_dir": model, "block_size": config.cache.block_size} if routing else None
-    return _bind_ingress(args, engine, model, name, prefix_keys)
+    return _bind_ingress(args, engine, model, name, prefix_keys, lora)
+
+
+def _lora(args: AppArgs, config: EngineConfig, model: str, name: str) -> dict[str, Any]:
+    """The ingress's adapter options (app/lora_admin.py), with lora_modules checked here, in the driver."""
+    modules = parse_lora_modules(args.lora_modules, name)
+    if modules and not config.enable_lora:
+        raise ValueError(
+            "args.lora_modules: serving LoRA adapters needs `enable_lora: true` under args.engine "
+            "(and max_lora_rank at least the adapters' rank)"
+        )
+    return {
+        "base_root": model,
+        "modules": modules,
+        "enable_lora": config.enable_lora,
+        "allow_runtime_updating": args.allow_runtime_lora_updating,
+    }
+
+
+def _max_adapters(config: EngineConfig) -> int:
+    """The adapters one engine replica holds at most (its host cache), 0 without LoRA."""
+    return config.lora_host_slots if config.enable_lora else 0
 
 
 def _bind_engine(args: AppArgs, model: str, name: str, routing: dict[str, Any], tp: int) -> Application:
@@ -169,7 +202,12 @@ def _bind_engine(args: AppArgs, model: str, name: str, routing: dict[str, Any], 
 
 
 def _bind_ingress(
-    args: AppArgs, engine: Application, model: str, name: str, prefix_keys: dict[str, Any] | None
+    args: AppArgs,
+    engine: Application,
+    model: str,
+    name: str,
+    prefix_keys: dict[str, Any] | None,
+    lora: dict[str, Any],
 ) -> Application:
     """The HTTP ingress in front of `engine`; `prefix_keys` when its requests are routed by prefix."""
     return Ingress.options(
@@ -188,11 +226,13 @@ def _bind_ingress(
         reasoning_parser=args.reasoning_parser,
         tool_call_parser=resolve_parser(args.tool_call_parser, _model_type(model)),
         prefix_keys=prefix_keys,
+        lora=lora,
     )
 
 
-def _routing(args: AppArgs) -> dict[str, Any]:
-    """The engine deployment's request router options: prefix-aware where there can be several replicas."""
+def _routing(args: AppArgs, max_adapters: int = 0) -> dict[str, Any]:
+    """The engine deployment's request router options: prefix-aware (and adapter-aware) where there can
+    be several replicas."""
     scaling = args.autoscaling_config
     most = scaling.get("max_replicas", 1) if scaling else args.num_replicas
     if not (args.prefix_aware_routing if args.prefix_aware_routing is not None else most > 1):
@@ -209,6 +249,7 @@ def _routing(args: AppArgs) -> dict[str, Any]:
             "imbalance_abs": _imbalance_abs(args),
             "imbalance_rel": args.routing_imbalance_rel,
             "min_gain": args.routing_min_gain,
+            **({"max_adapters": max_adapters} if max_adapters else {}),
         },
     )
     return {"request_router_config": config}

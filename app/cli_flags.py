@@ -31,6 +31,8 @@ APP_FIELDS_NOT_FLAGS = ("model", "engine")
 # from_kwargs's name for EngineConfig.speculative (vLLM's)
 ENGINE_RENAMES = {"speculative": "speculative_config"}
 HTTP_OPTIONS: dict[str, Any] = {"host": str, "port": int}  # serve_config.yaml's http_options
+# Keys given as several values after one flag, as vLLM's `--lora-modules a=/x b=/y` (a list in the config)
+LIST_FLAGS = {"lora_modules": "NAME=PATH"}
 
 
 @dataclass(frozen=True)
@@ -116,7 +118,9 @@ def add_flags(parser: argparse.ArgumentParser, flags: list[Flag]) -> None:
         base, optional = _split_optional(flag.hint)
         help_text = flag.help.replace("%", "%%")  # argparse formats help with %
         common: dict[str, Any] = {"dest": flag.dest, "default": argparse.SUPPRESS, "help": help_text}
-        if base is bool:
+        if flag.key in LIST_FLAGS:
+            parser.add_argument(*flag.names, nargs="+", metavar=LIST_FLAGS[flag.key], **common)
+        elif base is bool:
             parser.add_argument(*flag.names, action=argparse.BooleanOptionalAction, **common)
         elif typing.get_origin(base) is Literal:
             names = [*typing.get_args(base), *(["null"] if optional else [])]

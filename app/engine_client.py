@@ -33,6 +33,7 @@ from app import routing_table
 from app.errors import ApiError, internal, overloaded
 from app.prefix_keys import PrefixKeys
 from app.router import HASHES_KWARG
+from engine import LoRARequest
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("ray.serve")
@@ -46,6 +47,7 @@ RETRY_CODES = ("engine_unavailable", "engine_dead")
 # Where no replica is left, Serve holds a call until a new one is up (a model load): the calls made again
 # get this long in all, and then the request is answered with its error (503 with Retry-After).
 RETRY_BUDGET_S = 12.0
+MAX_ADAPTER_HANDLES = 1024  # per-adapter handles kept (one per adapter name)
 ABORT_BATCH_S = 0.05  # explicit aborts wait this long to share one call (Serve's own cancel goes at once)
 
 
@@ -114,6 +116,7 @@ class EngineClient:
         self.handle = handle
         self._keys = prefix_keys
         self._stream = handle.options(stream=True)  # built once: options() per request is not free
+        self._adapter_streams: dict[str, DeploymentHandle] = {}  # the same, per adapter (multiplexed id)
         self._abort_method = handle.abort
         self._aborts: list[str] = []
         self._retry_after = retry_after
@@ -138,6 +141,17 @@ class EngineClient:
         for ids in groups.values():
             self._abort_method.remote(request_ids=ids)
 
+    def _handle_for(self, lora: LoRARequest | None) -> DeploymentHandle:
+        if lora is None:
+            return self._stream
+        handle = self._adapter_streams.get(lora.lora_name)
+        if handle is None:
+            if len(self._adapter_streams) >= MAX_ADAPTER_HANDLES:
+                self._adapter_streams.clear()
+            handle = self._stream.options(multiplexed_model_id=lora.lora_name)
+            self._adapter_streams[lora.lora_name] = handle
+        return handle
+
     async def open(
         self,
         prompts: list,
@@ -145,16 +159,20 @@ class EngineClient:
         request_id: str,
         arrival_time: float | None = None,
         echo: bool = False,
+        lora: LoRARequest | None = None,
     ) -> list[EngineStream] | ApiError:
         """Start one engine request per prompt; return the streams once all accepted, else the first error.
-        arrival_time: the ingress's time.time() at the request's arrival (the latency metrics' origin)."""
-        generate = self._stream.generate
+        arrival_time: the ingress's time.time() at the request's arrival (the latency metrics' origin).
+        lora: the adapter the request names; its calls carry its name as Serve's multiplexed model id."""
+        generate = self._handle_for(lora).generate
+        extra = {"lora_request": lora} if lora is not None else {}
         streams, calls = [], []
         for i, p in enumerate(prompts):
             rid = f"{request_id}-{i}"
-            key = {HASHES_KWARG: self._keys(p)} if self._keys is not None else {}
+            if self._keys is not None:
+                extra[HASHES_KWARG] = self._keys(p, lora)
             call = partial(
-                generate.remote, p, params, request_id=rid, arrival_time=arrival_time, echo=echo, **key
+                generate.remote, p, params, request_id=rid, arrival_time=arrival_time, echo=echo, **extra
             )
             streams.append(EngineStream(i, rid, call(), self._abort, self._retry_after))
             calls.append(call)

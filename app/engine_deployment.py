@@ -40,10 +40,12 @@ from app import prompts
 from app.aborts import EarlyAborts
 from app.chat import ChatPrompt
 from app.errors import ApiError, from_engine_error, internal, overloaded
+from app.lora_replica import ReplicaAdapters
 from app.metrics import ServerMetrics
 from app.replica_support import flush_log_buffer, log_finished, rss_bytes
 from app.streaming import Pacer, Stream, to_wire
 from app.tp_placement import core_env
+from engine import LoRARequest
 from engine.config import EngineConfig
 from engine.errors import EngineError, PromptTooLongError
 from engine.outputs import RequestOutput
@@ -89,10 +91,10 @@ class EngineDeployment:
         config = EngineConfig.from_kwargs(model, **engine_options)
         env = core_env(config.tensor_parallel_size)  # with TP on GPUs: every rank's GPU, rank 0's first
         self.engine = CoreClient(config, self._on_step, null_core_step_ms, False, prefix_summary, env)
-        self._limit = max_ongoing_requests
+        self._limit, self._retry_after = max_ongoing_requests, retry_after_s
         self._pacer = Pacer(stream_interval_ms / 1000.0, stream_items_per_s)
-        self._retry_after = retry_after_s
         self._name = served_model_name or self.engine.model_name
+        self._adapters = ReplicaAdapters(self.engine, config.lora_host_slots)  # LoRA: app/lora_replica.py
         self._metrics = ServerMetrics(self._name)
         self._stop = threading.Event()
         self._poller = threading.Thread(
@@ -108,14 +110,17 @@ class EngineDeployment:
         arrival_time: float | None = None,
         echo: bool = False,
         prefix_hashes: list[int] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[dict | ApiError]:
         """arrival_time: when the ingress received the request (time.time()), the origin of the TTFT,
         queue and e2e histograms. echo: the accepted item carries the prompt's tokens (app/prompts.py).
-        prefix_hashes: the routing key, read by app/router.py only."""
+        prefix_hashes: the routing key, read by app/router.py only. lora_request: the adapter named in
+        the request's `model` (the call's multiplexed model id is its name)."""
         received = time.time()
         if self._early_aborts.take(request_id):
             return  # the ingress gave up on it before it came: nobody reads this stream
-        submitted = self._submit(prompt, params, request_id, arrival_time, echo)
+        failed = await self.load_lora(lora_request) if lora_request is not None else None
+        submitted = failed or self._submit(prompt, params, request_id, arrival_time, echo, lora_request)
         if isinstance(submitted, ApiError):
             yield submitted
             return
@@ -135,11 +140,12 @@ class EngineDeployment:
 
     def record_routing_stats(self) -> dict:
         """Serve calls this every request_routing_stats_period_s; app/router.py reads the result."""
-        stride, hashes = self.engine.prefix_summary()
+        stride, hashes, host_hashes = self.engine.prefix_summary()
         stats = self.engine.stats()
         return {
             "prefix_stride": stride,
             "prefix_hashes": hashes,
+            "prefix_host_hashes": host_hashes,  # in the host KV tier: cached at a lower weight
             "device": self._device_key,
             "num_running": stats.get("num_running", 0),
             "num_waiting": stats.get("num_waiting", 0),
@@ -155,8 +161,36 @@ class EngineDeployment:
                 stream.abandoned = True
                 stream.wake.set()
 
+    async def load_lora(self, lora_request: LoRARequest) -> ApiError | None:
+        """Have the adapter in this replica (Serve's multiplexer: LRU over max_cpu_loras adapters); the
+        ingress also calls it to check an adapter loaded at runtime. An ApiError when it cannot be used."""
+        self._loop = self._loop or asyncio.get_running_loop()
+        try:
+            await self._adapters.acquire(lora_request)
+        except EngineError as exc:
+            return from_engine_error(exc, self._retry_after)
+        except Exception as exc:
+            logger.exception("loading adapter %s failed", lora_request.lora_name)
+            return internal(f"loading adapter {lora_request.lora_name!r} failed: {type(exc).__name__}: {exc}")
+        finally:  # the core's adapter commands (a load, an eviction) travel with this turn's batch
+            self._schedule_flush()
+        return None
+
+    async def unload_lora(self, lora_name: str) -> bool:
+        """The ingress unloaded the adapter: the core drops it (False: it did not hold it)."""
+        self._loop = self._loop or asyncio.get_running_loop()
+        dropped = self._adapters.drop(lora_name)
+        self._schedule_flush()
+        return dropped
+
     def _submit(
-        self, prompt, params: SamplingParams, request_id: str | None, arrival_time: float | None, echo: bool
+        self,
+        prompt,
+        params: SamplingParams,
+        request_id: str | None,
+        arrival_time: float | None,
+        echo: bool,
+        lora: LoRARequest | None = None,
     ) -> tuple[str, dict] | ApiError:
         """Admission check, then hand the request to the engine core."""
         if len(self._streams) >= self._limit:
@@ -170,7 +204,9 @@ class EngineDeployment:
         try:
             prompt, facts = prompts.prepare(self.engine.tokenizer, prompt, echo)
             try:
-                rid = self.engine.submit(prompt, params, request_id=request_id, arrival_time=arrival_time)
+                rid = self.engine.submit(
+                    prompt, params, request_id=request_id, arrival_time=arrival_time, lora_request=lora
+                )
             except PromptTooLongError as exc:
                 raise prompts.prompt_too_long(
                     exc, self.engine.tokenizer, prompt, params, self.engine.limits, chat
@@ -265,6 +301,7 @@ class EngineDeployment:
         replica, core = rss_bytes(os.getpid()), rss_bytes(stats["core_pid"])
         return {
             **stats,
+            **self._adapters.stats(),
             "ongoing_requests": len(self._streams),
             "max_ongoing_requests": self._limit,
             "pid": os.getpid(),  # the replica process: soak tests watch its memory (with the core's)

@@ -2,9 +2,10 @@
 
 `ApiError` is plain data (picklable), so the engine deployment can hand it to the ingress as a stream
 item instead of raising across the Ray boundary. Status codes: 400 malformed request, unsupported
-field, prompt too long, or a structured-output / tools field that cannot be honoured (app/structured.py),
-404 unknown model or route, 415 a body that is not JSON, 422 unknown or invalid field, 503 overloaded or
-engine down (with Retry-After), 500 anything unexpected. The table of every (status, code) is
+field, prompt too long, a structured-output / tools field that cannot be honoured (app/structured.py),
+or a LoRA adapter that does not fit the base model, 404 unknown model, adapter or route, 415 a body
+that is not JSON, 422 unknown or invalid field, 503 overloaded or engine down (with Retry-After), 500
+anything unexpected. The table of every (status, code) is
 docs/api.md's "Errors"; FastAPI's own errors are mapped in app/http_errors.py.
 """
 
@@ -19,6 +20,8 @@ from engine.errors import (
     EngineDeadError,
     EngineError,
     InvalidRequestError,
+    LoRAError,
+    LoRANotFoundError,
     PromptTooLongError,
     QueueFullError,
 )
@@ -54,6 +57,10 @@ def from_engine_error(exc: EngineError, retry_after: int) -> ApiError:
         return ApiError(503, message, "server_error", param, "engine_dead", retry_after)
     if isinstance(exc, PromptTooLongError):
         return ApiError(400, message, "invalid_request_error", param or "prompt", "context_length_exceeded")
+    if isinstance(exc, LoRANotFoundError):
+        return ApiError(404, message, "not_found_error", param or "model", "model_not_found")
+    if isinstance(exc, LoRAError):  # an adapter that does not fit the base model, or LoRA is off
+        return ApiError(400, message, "invalid_request_error", param or "model", "invalid_lora_adapter")
     if isinstance(exc, InvalidRequestError):
         # a constraint that cannot be honoured as given (structured output, tools) is a 400, as in
         # OpenAI's API; other bad values stay 422

@@ -4,7 +4,8 @@ Every generation request goes through the engine's streaming `generate` (also wh
 for one JSON body), and the first item of every engine stream is awaited before the response starts:
 an overload or a rejected prompt becomes a proper 4xx/5xx with an OpenAI error body, never a 200
 followed by a broken stream. Hardening (API key, body-size limit) belongs in `install_hooks`; error
-answers FastAPI produces, and the log line per rejected request, in app/http_errors.py. Latency
+answers FastAPI produces, and the log line per rejected request, in app/http_errors.py. LoRA
+adapters (a `model` naming one, the model cards, the runtime load/unload routes): app/lora_admin.py. Latency
 metrics start when the request reached the ingress (`arrival_time`, stamped by the security middleware
 before the body is read), passed to the engine replica with each engine request.
 
@@ -14,7 +15,6 @@ mistaken for a query parameter).
 """
 
 import logging
-import time
 import uuid
 from collections.abc import AsyncIterator
 
@@ -28,15 +28,17 @@ from app.engine_client import EngineClient, EngineStream, StreamsResponse, call_
 from app.errors import ApiError, from_engine_error, internal
 from app.http_errors import install_error_handlers, reject
 from app.ingress_timing import FirstText, arrival_time
+from app.lora_admin import Adapters
 from app.metrics import IngressMetrics
 from app.prefix_keys import PrefixKeys
 from app.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from app.responses import ModelCard, ModelList
+from app.responses import ModelList
 from app.responses_api import ResponsesRequest, refusal, renamed
 from app.responses_stream import ResponsesOutput
 from app.sse import DONE, ResponseAssembler, item_error, sse_error
 from app.structured import ToolChoice
 from app.tool_calls import PARSERS, ToolParsing
+from engine import LoRARequest
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
 
@@ -72,9 +74,11 @@ class Ingress:
         reasoning_parser: str | None = None,
         tool_call_parser: str = "none",
         prefix_keys: dict | None = None,
+        lora: dict | None = None,
     ):
         """prefix_keys: PrefixKeys options (model_dir, block_size) when the engine deployment routes by
-        prefix (app/router.py): each engine call then carries its prompt's block hashes."""
+        prefix (app/router.py): each engine call then carries its prompt's block hashes. lora: Adapters
+        options (base_root, modules, enable_lora, allow_runtime_updating; app/lora_admin.py)."""
         if reasoning_parser not in (None, "think"):
             raise ValueError(f"reasoning_parser: must be 'think' or null, got {reasoning_parser!r}")
         if tool_call_parser not in (*PARSERS, "none"):  # resolved from "auto" by app/builder.py
@@ -86,6 +90,7 @@ class Ingress:
         keys = PrefixKeys(**prefix_keys) if prefix_keys else None
         self._client = EngineClient(engine, retry_after_s, keys)
         self._model = model_name
+        self._adapters = Adapters(model_name, engine, retry_after_s, **(lora or {}))
         self._default_max_tokens = default_max_tokens
         self._retry_after = retry_after_s
         self._info: dict | None = None  # model facts from the engine, fetched once
@@ -109,20 +114,27 @@ class Ingress:
     async def models(self) -> ModelList:
         if self._info is None:
             self._info = await self._engine.info.remote()
-        card = ModelCard(
-            id=self._model,
-            created=int(time.time()),
-            max_model_len=self._info["max_model_len"],
-            vocab_size=self._info["vocab_size"],
-        )
-        return ModelList(data=[card])
+        return ModelList(data=self._adapters.cards(self._info))
+
+    @api.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(self, request: Request) -> Response:
+        """vLLM's {"lora_name", "lora_path"}; only with allow_runtime_lora_updating (app/lora_admin.py)."""
+        answer = await self._adapters.load(request)
+        return reject(request, answer) if isinstance(answer, ApiError) else answer
+
+    @api.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        answer = await self._adapters.unload(request)
+        return reject(request, answer) if isinstance(answer, ApiError) else answer
 
     @api.get("/v1/engine/stats")
     async def engine_stats(self) -> dict:
         """KV blocks in use, queue lengths, counters (of the engine replica that answers), and the
-        prefix-aware routing decisions this ingress replica made (none without that router)."""
+        prefix-aware router's decisions in this ingress replica, for prefixes and for LoRA adapters
+        (none without that router)."""
         stats = await self._engine.stats.remote()
-        return {**stats, "ingress_routing_decisions": dict(routing_table.DECISIONS)}
+        decisions = {"ingress_adapter_routing": dict(routing_table.ADAPTER_DECISIONS)}
+        return {**stats, "ingress_routing_decisions": dict(routing_table.DECISIONS), **decisions}
 
     @api.get("/v1/engine/audit")
     async def engine_audit(self) -> dict:
@@ -133,8 +145,9 @@ class Ingress:
     @api.post("/v1/completions")
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         arrival = arrival_time(request)
-        if body.model != self._model:
-            return reject(request, self._unknown_model(body.model))
+        lora = self._adapters.resolve(body.model)
+        if isinstance(lora, ApiError):
+            return reject(request, lora)
         try:
             prompts, params = body.prompts(), body.sampling_params()
         except InvalidRequestError as exc:
@@ -142,7 +155,7 @@ class Ingress:
         out = ResponseAssembler(
             False,
             f"cmpl-{uuid.uuid4().hex}",
-            self._model,
+            body.model,
             params.n,
             len(prompts),
             echo=body.echo,
@@ -150,7 +163,7 @@ class Ingress:
             prompt_logprobs=body.prompt_logprobs is not None,
             continuous_usage=body.continuous_usage,
         )
-        return await self._respond(request, prompts, params, out, body, arrival, body.echo)
+        return await self._respond(request, prompts, params, out, body, arrival, body.echo, lora)
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
@@ -169,8 +182,9 @@ class Ingress:
         self, body: ChatCompletionRequest, request: Request, responses: ResponsesRequest | None = None
     ) -> Response:
         arrival = arrival_time(request)
-        if body.model != self._model:
-            return reject(request, self._unknown_model(body.model))
+        lora = self._adapters.resolve(body.model)
+        if isinstance(lora, ApiError):
+            return reject(request, lora)
         try:
             params, prompt = body.sampling_params(self._default_max_tokens), body.chat_prompt()
             tools = self._tool_parsing(body.constraints()[1])
@@ -178,12 +192,12 @@ class Ingress:
             return reject(request, from_engine_error(exc, self._retry_after))
         reasoning = body.reasoning(self._reasoning_default)
         if responses is not None:
-            out = ResponsesOutput(responses, self._model, reasoning, tools)
-            return await self._respond(request, [prompt], params, out, body, arrival, False)
+            out = ResponsesOutput(responses, body.model, reasoning, tools)
+            return await self._respond(request, [prompt], params, out, body, arrival, False, lora)
         out = ResponseAssembler(
             True,
             f"chatcmpl-{uuid.uuid4().hex}",
-            self._model,
+            body.model,
             params.n,
             1,
             logprobs=body.logprobs,
@@ -192,14 +206,14 @@ class Ingress:
             reasoning=reasoning,
             tools=tools,
         )
-        return await self._respond(request, [prompt], params, out, body, arrival, False)
+        return await self._respond(request, [prompt], params, out, body, arrival, False, lora)
 
     # ------------------------------------------------------------ tokenizer routes (vLLM's shapes)
 
     @api.post("/tokenize")
     async def tokenize(self, body: TokenizeRequest, request: Request) -> Response:
-        if body.model is not None and body.model != self._model:
-            return reject(request, self._unknown_model(body.model))
+        if body.model is not None and isinstance(known := self._adapters.resolve(body.model), ApiError):
+            return reject(request, known)
         try:
             source = body.source()
         except InvalidRequestError as exc:
@@ -212,8 +226,8 @@ class Ingress:
 
     @api.post("/detokenize")
     async def detokenize(self, body: DetokenizeRequest, request: Request) -> Response:
-        if body.model is not None and body.model != self._model:
-            return reject(request, self._unknown_model(body.model))
+        if body.model is not None and isinstance(known := self._adapters.resolve(body.model), ApiError):
+            return reject(request, known)
         return await self._tokenizer_call(request, self._engine.detokenize, body.tokens)
 
     async def _tokenizer_call(self, request: Request, method, *args) -> Response:
@@ -237,15 +251,6 @@ class Ingress:
             )
         return ToolParsing(self._tool_parser, choice.names, choice.parallel)
 
-    def _unknown_model(self, name: str) -> ApiError:
-        return ApiError(
-            404,
-            f"model '{name}' does not exist; this server serves '{self._model}' (GET /v1/models)",
-            "not_found_error",
-            "model",
-            "model_not_found",
-        )
-
     async def _respond(
         self,
         request: Request,
@@ -255,8 +260,9 @@ class Ingress:
         body: CompletionRequest | ChatCompletionRequest,
         arrival: float,
         echo: bool,
+        lora: LoRARequest | None = None,
     ) -> Response:
-        streams = await self._client.open(prompts, params, out.id, arrival, echo)
+        streams = await self._client.open(prompts, params, out.id, arrival, echo, lora)
         if isinstance(streams, ApiError):
             return reject(request, streams)
         for s in streams:

@@ -24,7 +24,9 @@ ray_minserve_{prompt_tokens,generation_tokens,preemptions,aborts,errors}_total,
 ray_minserve_{num_running,num_waiting,kv_blocks_used,kv_blocks_total,prefix_cache_hit_rate,
 ongoing_requests}; on a GPU ray_minserve_gpu_busy_estimate (docs/operations.md); with speculative
 decoding also ray_minserve_spec_{draft_tokens,accepted_tokens,verified_chunks}_total and
-ray_minserve_spec_{acceptance_rate,mean_accepted_length}.
+ray_minserve_spec_{acceptance_rate,mean_accepted_length}; with a host KV tier (kv_offloading_size)
+ray_minserve_kv_host_{hit_blocks,hit_requests}_total, ray_minserve_kv_{offload,reload}_{blocks,bytes}_total,
+ray_minserve_kv_host_{blocks_used,blocks_total,hit_rate} and ray_minserve_kv_{offload,reload}_gbps.
 """
 
 from __future__ import annotations
@@ -56,6 +58,12 @@ _COUNTERS = {
     "spec_draft_tokens": ("minserve_spec_draft_tokens", "Speculative proposals verified."),
     "spec_accepted_tokens": ("minserve_spec_accepted_tokens", "Speculative proposals accepted."),
     "spec_verify_rows": ("minserve_spec_verified_chunks", "Sequence-steps that verified proposals."),
+    "kv_host_hit_blocks": ("minserve_kv_host_hit_blocks", "Prompt blocks found in the host KV tier."),
+    "kv_host_hit_requests": ("minserve_kv_host_hit_requests", "Prompts with a block from the host KV tier."),
+    "kv_offload_blocks": ("minserve_kv_offload_blocks", "KV blocks copied to the host tier."),
+    "kv_offload_bytes": ("minserve_kv_offload_bytes", "Bytes copied to the host KV tier."),
+    "kv_reload_blocks": ("minserve_kv_reload_blocks", "KV blocks copied back from the host tier."),
+    "kv_reload_bytes": ("minserve_kv_reload_bytes", "Bytes copied back from the host KV tier."),
 }
 # stats() key -> gauge name
 _GAUGES = {
@@ -72,6 +80,14 @@ _GAUGES = {
         "minserve_prefix_cache_hit_rate",
         "Prompt tokens served from the prefix cache.",
     ),
+    "kv_host_blocks_used": ("minserve_kv_host_blocks_used", "Host KV tier slots holding a block."),
+    "kv_host_blocks_total": ("minserve_kv_host_blocks_total", "Host KV tier slots."),
+    "kv_host_hit_rate": (
+        "minserve_kv_host_hit_rate",
+        "Prompt blocks missed on the GPU and found in the host tier, over those looked up there.",
+    ),
+    "kv_offload_gbps": ("minserve_kv_offload_gbps", "GB/s of the copies to the host tier since start."),
+    "kv_reload_gbps": ("minserve_kv_reload_gbps", "GB/s of the copies back from the host tier since start."),
     "gpu_busy_estimate": (  # None (not exported) without CUDA
         "minserve_gpu_busy_estimate",
         "Share of the last 5 s of wall time the GPU spent inside engine steps (an upper bound of the "

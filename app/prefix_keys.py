@@ -2,14 +2,15 @@
 
 Computed in the ingress, before the engine call is routed, exactly as the engine's prefix cache will
 hash the prompt: the same tokenizer and chat template (app/chat.ChatPrompt.encode, engine/admission
-.tokenize) and the same hash chain (engine.prompt_block_hashes). The engine replica tokenizes the
-prompt again for itself; that second pass costs the ingress nothing and keeps one path for prompts.
+.tokenize) and the same hash chain (engine.prompt_block_hashes), which starts from the request's
+adapter. The engine replica tokenizes the prompt again for itself; that second pass costs the ingress
+nothing and keeps one path for prompts.
 """
 
 from __future__ import annotations
 
 from app.chat import ChatPrompt
-from engine import Tokenizer, prompt_block_hashes
+from engine import LoRARequest, Tokenizer, prompt_block_hashes
 
 
 class PrefixKeys:
@@ -20,7 +21,9 @@ class PrefixKeys:
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self.block_size, self.max_blocks = block_size, max_blocks
 
-    def __call__(self, prompt: str | list[int] | ChatPrompt) -> list[int]:
+    def __call__(self, prompt: str | list[int] | ChatPrompt, lora: LoRARequest | None = None) -> list[int]:
+        """lora: the request's adapter (None: the base model); the engine keys an adapter's blocks by it,
+        so the same prompt under two adapters has two keys."""
         try:
             if isinstance(prompt, ChatPrompt):
                 ids = prompt.encode(self.tokenizer)[0]
@@ -28,6 +31,7 @@ class PrefixKeys:
                 ids = self.tokenizer.encode(prompt)
             else:
                 ids = prompt
-            return prompt_block_hashes(ids, self.block_size, self.max_blocks)
+            adapter = {"lora_request": lora} if lora is not None else {}
+            return prompt_block_hashes(ids, self.block_size, self.max_blocks, **adapter)
         except Exception:  # e.g. a template error: the engine replica reports it properly
             return []

@@ -139,6 +139,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "minserve"
+    root: str | None = None  # as in vLLM: the checkpoint's (or the LoRA adapter's) directory
+    parent: str | None = None  # as in vLLM: an adapter's base model id; null for the base model
     max_model_len: int | None = None  # extension, as in vLLM
     vocab_size: int | None = None  # extension: lets load generators send valid token-id prompts
 

@@ -25,10 +25,14 @@ The decision is recorded as
              requests); a GPU replica runs hundreds of streams, so the margin is wide.
 Replicas that share an accelerator (fractional num_gpus, or CPU replicas of one host) add up their
 work ahead: with one GPU split in two, the holder's prefill queue is the other replica's queue too.
-Calls without hashes (stats, info, tokenize) go by power of two choices. An `abort(request_ids)` goes
-to the replica its first id was routed to: the ingress groups its aborts by `routing_table.replica_of`
-(the router runs inside the ingress's process, in its handle; app/routing_table.py says why the
-tables live there).
+A request for a LoRA adapter (Serve's multiplexed model id: its name) first goes to a replica that
+holds the adapter, else to one of those holding the fewest adapters (app/adapter_affinity.py); the
+prefix decides among those, and the others follow in order of load. Its prefix hashes start from the
+adapter (app/prefix_keys.py), so prefixes of different adapters never match each other.
+Calls without hashes or adapter (stats, info, tokenize) go by power of two choices. An
+`abort(request_ids)` goes to the replica its first id was routed to: the ingress groups its aborts by
+`routing_table.replica_of` (the router runs inside the ingress's process, in its handle;
+app/routing_table.py says why the tables live there).
 
 What a replica holds comes from two sources:
   * its `record_routing_stats` (engine/sched/block_manager.prefix_summary): a sample of its cached block
@@ -61,24 +65,37 @@ from ray.serve.request_router import (
 from ray.util.metrics import Counter as MetricCounter
 
 from app import routing_table  # shared state: through the module, never copied (app/routing_table.py)
+from app.adapter_affinity import AdapterLRU, choose_group
 
 HASHES_KWARG = "prefix_hashes"  # generate(..., prefix_hashes=[...]): the request's leading chain hashes
+# what a block held in a replica's host KV tier (kv_offloading_size) counts for, a GPU block counting 1:
+# it saves the block's prefill but costs a copy over PCIe, and may be evicted before the request comes
+HOST_WEIGHT = 0.5
+
+
+def _adapter_of(pending_request: PendingRequest | None) -> str:
+    """The LoRA adapter a call is for: Serve's multiplexed model id ("" for none)."""
+    metadata = getattr(pending_request, "metadata", None)
+    return getattr(metadata, "multiplexed_model_id", "") or ""
 
 
 class ReplicaView:
     """What one replica holds, as far as this router knows."""
 
-    def __init__(self, max_recent: int):
+    def __init__(self, max_recent: int, max_adapters: int = 0):
         self.max_recent = max_recent
+        self.adapters = AdapterLRU(max_adapters)
         self.recent: OrderedDict[int, float] = OrderedDict()  # hash -> when this router sent it there
         self._stats_seen: object = None
         self.stride, self.published = 1, frozenset()
+        self.host_published: frozenset[int] = frozenset()  # sampled at the same stride
         self.device: str | None = None  # the accelerator it runs on, once it has published
 
     def refresh(self, stats: dict) -> None:
         if stats is not self._stats_seen and "prefix_hashes" in stats:  # a new publication
             self._stats_seen = stats
             self.stride, self.published = stats["prefix_stride"], frozenset(stats["prefix_hashes"])
+            self.host_published = frozenset(stats.get("prefix_host_hashes", ()))
             self.device = stats.get("device")
 
     def sent(self, hashes: list[int], now: float) -> None:
@@ -88,16 +105,18 @@ class ReplicaView:
         while len(self.recent) > self.max_recent:
             self.recent.popitem(last=False)
 
-    def held(self, hashes: list[int], now: float, recent_s: float) -> int:
+    def held(self, hashes: list[int], now: float, recent_s: float) -> float:
         """Leading blocks of `hashes` this replica holds: the last position found, since a block is
-        cached only with every block before it (chain hashes)."""
-        best = 0
+        cached only with every block before it (chain hashes). Blocks past the last one found on the
+        GPU (or sent recently) up to the last one found in the host tier count HOST_WEIGHT each."""
+        gpu = host = 0
         for i, h in enumerate(hashes):
-            if (h % self.stride == 0 and h in self.published) or self.recent.get(
-                h, -math.inf
-            ) > now - recent_s:
-                best = i + 1
-        return best
+            sampled = h % self.stride == 0
+            if (sampled and h in self.published) or self.recent.get(h, -math.inf) > now - recent_s:
+                gpu = host = i + 1
+            elif sampled and h in self.host_published:
+                host = i + 1
+        return gpu + HOST_WEIGHT * (host - gpu)
 
 
 class PrefixAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
@@ -111,9 +130,11 @@ class PrefixAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         min_gain: float = 0.25,
         recent_s: float = 5.0,
         max_recent: int = 65536,
+        max_adapters: int = 0,
     ) -> None:
+        """max_adapters: the adapters a replica holds at most (max_cpu_loras; 0: no LoRA)."""
         self.imbalance_abs, self.imbalance_rel, self.min_gain = imbalance_abs, imbalance_rel, min_gain
-        self.recent_s, self.max_recent = recent_s, max_recent
+        self.recent_s, self.max_recent, self.max_adapters = recent_s, max_recent, max_adapters
         self.views: dict[ReplicaID, ReplicaView] = {}
         self._metric = MetricCounter(
             "minserve_routing_decisions",
@@ -124,7 +145,7 @@ class PrefixAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
     def _view(self, replica: RunningReplica) -> ReplicaView:
         view = self.views.get(replica.replica_id)
         if view is None:
-            view = self.views[replica.replica_id] = ReplicaView(self.max_recent)
+            view = self.views[replica.replica_id] = ReplicaView(self.max_recent, self.max_adapters)
         view.refresh(replica.routing_stats or {})
         return view
 
@@ -158,24 +179,46 @@ class PrefixAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             best = least  # the cache would save little of this prompt: balance the load
         else:
             best = min(order, key=lambda i: (ahead[i] + len(hashes) - held[i], -held[i], loads[i], tie[i]))
-            if (
-                held[best] == most
-                and loads[best] - loads[least] > self.imbalance_abs
-                and loads[best] > self.imbalance_rel * loads[least]
-            ):
+            if held[best] == most and self._imbalanced(loads[best], loads[least]):
                 return "fallback", []
         ranked = [candidates[best]] + [r for i, r in enumerate(candidates) if i != best]
         return ("cache_hit" if most > 0 and held[best] == most else "balanced"), ranked
+
+    def _imbalanced(self, load: int, least: int) -> bool:
+        """A replica this far above the least loaded one gives way to load balance."""
+        return load - least > self.imbalance_abs and load > self.imbalance_rel * least
+
+    def route(
+        self, candidates: list[RunningReplica], hashes: list[int], adapter: str
+    ) -> list[RunningReplica]:
+        """Replicas best first for a request with prefix hashes and/or an adapter; [] for power of two."""
+        group, rest = candidates, []
+        if adapter:
+            now = time.monotonic()
+            holdings = [
+                self._view(r).adapters.known(r.multiplexed_model_ids, now, self.recent_s) for r in candidates
+            ]
+            loads = [self._load(r) for r in candidates]
+            decision, group = choose_group(candidates, holdings, loads, adapter, self._imbalanced)
+            routing_table.ADAPTER_DECISIONS[decision] += 1
+            rest = sorted((r for r in candidates if r not in group), key=self._load)
+        ranked: list[RunningReplica] = []
+        if hashes:
+            decision, ranked = self.rank(group, hashes)
+            routing_table.DECISIONS[decision] += 1
+            self._metric.inc(tags={"decision": decision})
+        if not ranked and adapter:  # no prefix, or its holder is overloaded: the least loaded of the group
+            ranked = sorted(group, key=lambda r: (self._load(r), random.random()))
+        return ranked + rest if ranked else []
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
         kwargs = pending_request.kwargs if pending_request is not None else {}
         hashes = kwargs.get(HASHES_KWARG)
-        if hashes and candidate_replicas:
-            decision, ranked = self.rank(candidate_replicas, hashes)
-            routing_table.DECISIONS[decision] += 1
-            self._metric.inc(tags={"decision": decision})
+        adapter = _adapter_of(pending_request)
+        if (hashes or adapter) and candidate_replicas:
+            ranked = self.route(candidate_replicas, hashes or [], adapter)
             if ranked:
                 return [[r] for r in ranked]
         elif kwargs.get("request_ids"):  # an abort: where its first request went
@@ -190,10 +233,13 @@ class PrefixAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
     ) -> None:
         kwargs = pending_request.kwargs
         hashes = kwargs.get(HASHES_KWARG)
-        if not hashes:
-            return
         now = time.monotonic()
         view = self.views.get(replica_id)
+        adapter = _adapter_of(pending_request)
+        if adapter and view is not None:
+            view.adapters.sent(adapter, now)
+        if not hashes:
+            return
         # the blocks it must prefill there (+1: the prompt's tail, which no full-block hash covers)
         missing = len(hashes) + 1 - (view.held(hashes, now, self.recent_s) if view is not None else 0)
         if view is not None:

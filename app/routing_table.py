@@ -22,6 +22,8 @@ MAX_ROUTED_IDS = 100_000
 ROUTED: OrderedDict[str, object] = OrderedDict()
 # routing decisions since the process started, by kind (cache_hit, balanced, fallback)
 DECISIONS: Counter = Counter()
+# LoRA adapter routing decisions (adapter_hit, adapter_new, adapter_fallback: app/adapter_affinity.py)
+ADAPTER_DECISIONS: Counter = Counter()
 # engine request id -> (replica, blocks of prefill it was expected to need there), until it starts
 UNSTARTED: dict[str, tuple[object, int]] = {}
 # replica -> sum of UNSTARTED blocks routed to it

@@ -8,6 +8,10 @@ in [64, 256], ignore_eos), sent to /v1/completions with stream=true; each user s
 when the last one ends. Users start at --spawn-rate per second; at --duration every user stops and a
 request still in flight is dropped (as Locust's -t does). Writes DIR/summary.json: TTFT (sent -> first
 chunk with text), ITL (gap between consecutive chunks with text), E2E (sent -> [DONE]), in ms.
+A multi-turn workload (W4) keeps one conversation per user (loadtests/_workloads.Conversation): each
+request resends the history, the answer as stand-in ids of its length; the summary adds TTFT by turn
+(the opening turns and the later ones, which the prefix cache and the host KV tier can serve), the
+highest turn reached and `live_session_tokens` (the users' current histories at the end: live KV).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "loadtests"))
 
-from _workloads import SHAPES, PromptMaker, parse_mix, sample  # noqa: E402
+from _workloads import SHAPES, Conversation, PromptMaker, parse_mix, sample  # noqa: E402
 
 from benchmarks.serve_summary import percentiles  # noqa: E402
 
@@ -71,11 +75,39 @@ def draw(rng: random.Random, args, facts: dict) -> tuple[list[int], int]:
     return (req.prefix or []) + req.prompt, req.max_tokens
 
 
-async def user_loop(i: int, args, session, facts: dict, deadline: float, results: list) -> None:
+class UserRequests:
+    """One user's requests: the --workload mix as `draw` gives it, a multi-turn shape through one
+    Conversation per shape (its next turn; `answered` appends stand-in ids for the answer)."""
+
+    def __init__(self, rng: random.Random, args, facts: dict):
+        self.rng, self.args, self.facts = rng, args, facts
+        self.maker = PromptMaker(facts["vocab_size"], 1.0, as_text=False)
+        self.mix = parse_mix(args.workload)
+        self.talks = {n: Conversation(SHAPES[n], self.maker) for n, _ in self.mix if SHAPES[n].multi_turn}
+        self.last: Conversation | None = None
+
+    def next(self) -> tuple[list[int], int, int]:
+        """(prompt ids, max_tokens, turn: 0 for a single-turn request)."""
+        names, weights = zip(*self.mix)
+        talk = self.talks.get(self.rng.choices(names, weights)[0]) if self.talks else None
+        self.last = talk
+        if talk is None:
+            return (*draw(self.rng, self.args, self.facts), 0)
+        a = self.args
+        req = talk.next(self.rng, a.prompt_scale, a.gen_scale, self.facts["max_model_len"])
+        return req.prompt, req.max_tokens, talk.turn
+
+    def answered(self, tokens: int) -> None:
+        if self.last is not None:
+            self.last.answered(self.maker.make(self.rng, tokens))
+
+
+async def user_loop(i: int, args, session, facts: dict, deadline: float, results: list, users: list) -> None:
     await asyncio.sleep(i / args.spawn_rate)
-    rng = user_rng(args.seed, i)
+    user = UserRequests(user_rng(args.seed, i), args, facts)
+    users.append(user)
     while time.perf_counter() < deadline:
-        prompt, max_tokens = draw(rng, args, facts)
+        prompt, max_tokens, turn = user.next()
         body = {"model": facts["model"], "prompt": prompt, "max_tokens": max_tokens, "stream": True,
                 "stream_options": {"include_usage": True}, "ignore_eos": True}  # fmt: skip
         try:
@@ -85,7 +117,9 @@ async def user_loop(i: int, args, session, facts: dict, deadline: float, results
             return  # in flight at the deadline: dropped
         except Exception as exc:  # a refused connection, a reset stream
             res = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-        results.append(res)
+        if res["ok"]:
+            user.answered(res["tokens"])
+        results.append({**res, "turn": turn})
 
 
 async def run(args) -> dict:
@@ -98,13 +132,16 @@ async def run(args) -> dict:
         facts = {"model": card["id"], "max_model_len": card.get("max_model_len") or 2048,
                  "vocab_size": card.get("vocab_size") or 32000}  # fmt: skip
         results: list[dict] = []
+        users: list[UserRequests] = []
         t0 = time.perf_counter()
         deadline = t0 + args.duration
         await asyncio.gather(
-            *(user_loop(i, args, session, facts, deadline, results) for i in range(args.users))
+            *(user_loop(i, args, session, facts, deadline, results, users) for i in range(args.users))
         )
         elapsed = time.perf_counter() - t0
-    return summarize(results, elapsed, facts)
+    summary = summarize(results, elapsed, facts)
+    live = [len(t.history) for u in users for t in u.talks.values() if t.history is not None]
+    return {**summary, "live_session_tokens": sum(live)} if live else summary
 
 
 def summarize(results: list[dict], elapsed: float, facts: dict) -> dict:
@@ -116,7 +153,18 @@ def summarize(results: list[dict], elapsed: float, facts: dict) -> dict:
     return {"source": "benchmarks.serve_client", "model": facts["model"], "requests": len(ok),
             "failures": len(errors), "first_errors": errors[:3], "elapsed_s": elapsed,
             "req_s": len(ok) / elapsed, "output_tok_s": sum(r["tokens"] for r in ok) / elapsed,
-            "ttft_ms": percentiles(ttft), "itl_ms": percentiles(itl), "e2e_ms": percentiles(e2e)}  # fmt: skip
+            "ttft_ms": percentiles(ttft), "itl_ms": percentiles(itl), "e2e_ms": percentiles(e2e),
+            **_by_turn(ok)}  # fmt: skip
+
+
+def _by_turn(ok: list[dict]) -> dict:
+    """Multi-turn loads: TTFT of the opening turns and of the later ones, and the turns seen."""
+    if not any(r.get("turn") for r in ok):
+        return {}
+    ttft = lambda rs: percentiles([1e3 * (r["times"][0] - r["start"]) for r in rs if r["times"]])  # noqa: E731
+    return {"ttft_ms_first_turn": ttft([r for r in ok if r["turn"] == 1]),
+            "ttft_ms_later_turns": ttft([r for r in ok if r["turn"] > 1]),
+            "max_turn": max(r["turn"] for r in ok)}  # fmt: skip
 
 
 def add_load_args(p: argparse.ArgumentParser, duration: float) -> None:
@@ -124,7 +172,7 @@ def add_load_args(p: argparse.ArgumentParser, duration: float) -> None:
     p.add_argument("--users", type=int, default=64)
     p.add_argument("--spawn-rate", type=float, default=16.0, help="users started per second")
     p.add_argument("--duration", type=float, default=duration, help="measured seconds")
-    p.add_argument("--workload", default="W2", help="W1, W2, W3 or a mix like W1:1,W2:3")
+    p.add_argument("--workload", default="W2", help="W1, W2, W3, W4 or a mix like W1:1,W2:3")
     p.add_argument("--gen-scale", type=float, default=1.0)
     p.add_argument("--prompt-scale", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)

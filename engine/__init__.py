@@ -21,6 +21,10 @@ def __getattr__(name: str):
         from engine.core_client import CoreClient
 
         return CoreClient
+    if name == "LoRARequest":  # a request's LoRA adapter (vLLM's name)
+        from engine.lora.request import LoRARequest
+
+        return LoRARequest
     if name == "Tokenizer":  # the engine's tokenizer and chat templates, for work done before the engine
         from engine.tokenizer import Tokenizer
 
@@ -41,4 +45,5 @@ __all__ = [
     "BudgetForcing",
     "Tokenizer",
     "prompt_block_hashes",
+    "LoRARequest",
 ]

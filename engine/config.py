@@ -45,9 +45,17 @@ class CacheConfig:
     # KV traffic of a decode step. Writers clamp and round (kernels/triton_kv.to_cache); attention upcasts
     # exactly as it loads (kernels/triton_attn_common.dot_dtype_for).
     kv_cache_dtype: str = "auto"
+    # GiB of host memory for a second KV tier (vLLM's name; docs/kv_offload.md): blocks evicted from the
+    # prefix cache are copied there and copied back on a prefix hit instead of recomputed; 0: off.
+    # Pinned on a GPU host. Not cpu_kv_cache_bytes, which sizes the pool itself on a CPU engine.
+    kv_offloading_size: float = 0.0
 
     def __post_init__(self) -> None:
         _require(self.block_size >= 1, "block_size", "must be >= 1")
+        ok = isinstance(self.kv_offloading_size, int | float) and self.kv_offloading_size >= 0
+        _require(ok, "kv_offloading_size", "must be a number of GiB >= 0 (0: no host tier)")
+        ok = not self.kv_offloading_size or self.enable_prefix_caching
+        _require(ok, "kv_offloading_size", "the host tier keeps prefix-cache blocks: enable_prefix_caching")
         _require(self.kv_cache_dtype in ("auto", "fp8"), "kv_cache_dtype", "must be auto or fp8")
         _require(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "must be in (0, 1]")
         _require(self.cpu_kv_cache_bytes > 0, "cpu_kv_cache_bytes", "must be > 0")
@@ -88,6 +96,19 @@ class ModelLoadConfig:
         _require(self.quantization in (None, "fp8"), "quantization", "must be None (null) or 'fp8'")
 
 
+# EngineConfig's own fields among LLM(...)'s flat keywords (the others belong to its parts)
+_TOP_LEVEL_OPTIONS = (
+    "fault_injection",
+    "grammar_process",
+    "tensor_parallel_size",
+    "disable_custom_all_reduce",
+    "enable_lora",
+    "max_loras",
+    "max_lora_rank",
+    "max_cpu_loras",
+)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     load: ModelLoadConfig
@@ -104,12 +125,40 @@ class EngineConfig:
     # this many processes, rank 0 being the engine's own (engine/runner/tp_group.py); 1: no other
     # process. Checked against the model (models/parallel.check_tp) and the GPUs at start-up.
     tensor_parallel_size: int = 1
+    # True: every all-reduce of a tensor-parallel forward goes through NCCL; False: small ones take the
+    # one-shot all-reduce over NVLink peer-to-peer (engine/models/all_reduce.py). vLLM's name.
+    disable_custom_all_reduce: bool = False
+    # multi-LoRA (vLLM's names; docs/lora.md): requests may name a PEFT adapter. max_loras adapters sit
+    # in GPU slots at once (a step never needs more), each of rank <= max_lora_rank; max_cpu_loras are
+    # kept in host memory, least recently used evicted (None: max_loras)
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         tp = self.tensor_parallel_size
         ok = isinstance(tp, int) and not isinstance(tp, bool) and tp >= 1
         fix = "use a whole number >= 1 (1: no tensor parallelism)"
         _require(ok, "tensor_parallel_size", f"got {tp!r}; {fix}")
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        def whole(v) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        _require(whole(self.max_loras) and self.max_loras >= 1, "max_loras", "must be a whole number >= 1")
+        ok = whole(self.max_lora_rank) and self.max_lora_rank >= 1
+        _require(ok, "max_lora_rank", "must be a whole number >= 1 (16 by default, as vLLM)")
+        cpu = self.max_cpu_loras
+        ok = cpu is None or (whole(cpu) and cpu >= self.max_loras)
+        fix = f"use None or a whole number >= max_loras ({self.max_loras})"
+        _require(ok, "max_cpu_loras", f"got {cpu!r}; {fix}")
+
+    @property
+    def lora_host_slots(self) -> int:
+        """Adapters the host cache holds (max_cpu_loras, or max_loras when unset)."""
+        return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
 
     @staticmethod
     def from_kwargs(model: str, **kwargs) -> EngineConfig:
@@ -128,7 +177,7 @@ class EngineConfig:
                     bucket[key] = value
                     break
             else:
-                if key in ("fault_injection", "grammar_process", "tensor_parallel_size"):
+                if key in _TOP_LEVEL_OPTIONS:
                     top[key] = value
                 else:
                     raise ValueError(f"unknown engine option {key!r}")

@@ -41,17 +41,23 @@ from engine.core.live_request import LiveRequest
 from engine.core.messages import (
     Abort,
     Add,
+    AddLoRA,
     Command,
     Dead,
     Failed,
     Idle,
+    Ready,
     Records,
+    RemoveLoRA,
     Shutdown,
     Start,
     Step,
     StopSample,
 )
 from engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
+from engine.lora.admission import LoRAAdmission
+from engine.lora.mirror import LoRAMirror
+from engine.lora.request import LoRARequest
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.sched import admission
@@ -89,10 +95,12 @@ class CoreClient:
         self._closing = False
         self.death: str | None = None
         self._stats: dict = {}
-        self._prefix_summary: tuple[int, list[int]] = (1, [])
+        self._prefix_summary: tuple[int, list[int], list[int]] = (1, [], [])
         self._audit: list[str] = []
         self.proc, self._conn = self._start(Start(config, null_step_ms, prefix_summary), env or {})
-        self.limits: admission.Limits = self._conn.recv_ready()
+        ready = self._conn.recv_ready()
+        self.limits: admission.Limits = ready.limits
+        self._loras = LoRAMirror(LoRAAdmission(ready.lora_shapes, config.max_lora_rank))
         self.max_model_len = self.limits.max_model_len
         structured.warm_up(self.tokenizer, self.limits.vocab_size)  # admission compiles constraints here too
         threading.Thread(target=self._read, name="core-reader", daemon=True).start()
@@ -138,12 +146,15 @@ class CoreClient:
         params: SamplingParams,
         request_id: str | None = None,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> str:
-        """Validate and queue a request; raises EngineError subclasses synchronously."""
+        """Validate and queue a request; raises EngineError subclasses synchronously (LoRAError for
+        an adapter whose files do not fit: the core reads it when the request first runs)."""
         if not self.is_alive():
             raise EngineDeadError(f"the engine core is not running ({self.death or 'exited'})")
         ids = admission.tokenize(self.tokenizer, prompt, self.limits.vocab_size)
         admission.check(ids, params, self.limits, self.tokenizer)
+        self._loras.check(lora_request)
         arrival = arrival_time or time.time()
         with self._lock:
             # checked again under the lock that `_fail_all` holds: a request added after the core's
@@ -156,7 +167,7 @@ class CoreClient:
             if request_id in self._live:
                 raise InvalidRequestError(f"request_id: {request_id!r} is in use", field="request_id")
             self._live[request_id] = LiveRequest(request_id, ids, params, arrival, self.tokenizer)
-            self._outbox.append(Add(request_id, ids, params, arrival))
+            self._outbox.append(Add(request_id, ids, params, arrival, lora_request))
         if self._autoflush:
             self.flush()
         return request_id
@@ -169,16 +180,38 @@ class CoreClient:
         if self._autoflush:
             self.flush()
 
+    # ------------------------------------------------------------------ LoRA adapters (vLLM's names)
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Check the adapter here (LoRAError) and have the core read it into its host cache."""
+        self._loras.check(lora_request)
+        self._send_lora(AddLoRA(lora_request), lambda: self._loras.added(lora_request))
+
+    def remove_lora(self, lora_name: str) -> bool:
+        """Drop the adapter from the core's caches (requests running with it finish first); False
+        when the core's host cache did not hold it (as last mirrored)."""
+        return self._send_lora(RemoveLoRA(lora_name), lambda: self._loras.removed(lora_name))
+
+    def list_loras(self) -> list[str]:
+        """The adapters in the core's host cache, least recently used first."""
+        return self._loras.names()
+
+    def _send_lora(self, command: Command, note: Callable[[], object]) -> object:
+        with self._lock:  # the mirror counts commands in the order they are queued
+            result = note()
+            self._outbox.append(command)
+        if self._autoflush:
+            self.flush()
+        return result
+
     def is_alive(self) -> bool:
         return self.death is None and self.proc.poll() is None
 
     def stats(self) -> dict:
         return {**self._stats, "core_pid": self.proc.pid}
 
-    def prefix_summary(self) -> tuple[int, list[int]]:
-        """(stride, hashes) of the core's prefix cache, at most about a second old
-        (engine/sched/block_manager.BlockManager.prefix_summary); (1, []) unless the client was made
-        with prefix_summary=True."""
+    def prefix_summary(self) -> tuple[int, list[int], list[int]]:
+        """(stride, hashes, host-tier hashes) of the core's prefix cache, at most about a second old
+        (LLMEngine.prefix_summary); (1, [], []) unless the client was made with prefix_summary=True."""
         return self._prefix_summary
 
     def audit(self) -> list[str]:
@@ -229,6 +262,9 @@ class CoreClient:
 
     def _take_stats(self, stats: dict) -> None:
         summary = stats.pop("prefix_summary", None)  # rides on some snapshots only
+        loras = stats.pop("loras", None)
+        if loras is not None:
+            self._loras.take(loras)
         if summary is not None:
             self._prefix_summary = summary
         self._stats = stats
@@ -286,7 +322,7 @@ class CoreClient:
 
 
 class _CoreConnection(Connection):
-    def recv_ready(self) -> admission.Limits:
+    def recv_ready(self) -> Ready:
         """The core's first message: its limits once the model is loaded, or why it could not start."""
         try:
             message = self.recv()
@@ -294,4 +330,4 @@ class _CoreConnection(Connection):
             raise RuntimeError("the engine core process exited during start-up; see its log above") from None
         if isinstance(message, Failed):
             raise RuntimeError(f"the engine core failed to start: {message.error}")
-        return message.limits
+        return message

@@ -17,6 +17,17 @@ class InvalidRequestError(EngineError):
     """A parameter is out of range or malformed (HTTP 400/422)."""
 
 
+class LoRAError(InvalidRequestError):
+    """A LoRA adapter cannot be used: its files are missing or malformed, or do not fit the base model
+    or the engine's LoRA limits; the message names the file and tensor and the fix (HTTP 400)."""
+
+
+class LoRANotFoundError(LoRAError):
+    """A request names an adapter the engine does not know (HTTP 404)."""
+
+    status_code = 404
+
+
 class PromptTooLongError(EngineError):
     """Prompt (+ max_tokens) can never fit in max_model_len or the KV pool (HTTP 400)."""
 

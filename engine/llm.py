@@ -8,6 +8,7 @@ from tqdm import tqdm
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine, Prompt
+from engine.lora.request import LoRARequest
 from engine.outputs import RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
 
@@ -58,17 +59,24 @@ class LLM:
         prompts: Prompt | list[Prompt],
         params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
     ) -> list[GenerationResult]:
-        """One result per prompt, in order. A prompt is a string, token ids, or chat messages."""
+        """One result per prompt, in order. A prompt is a string, token ids, or chat messages.
+        lora_request: the adapter of every prompt, or a list with one entry (or None) per prompt."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, dict))):
             prompts = [prompts]
         if not isinstance(params, list):
             params = [params or SamplingParams()]
         if len(params) == 1:
             params = params * len(prompts)  # one SamplingParams for every prompt
+        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(
+                f"lora_request: {len(loras)} entries for {len(prompts)} prompts; give one per prompt"
+            )
         results: dict[str, GenerationResult] = {}
-        for prompt, p in zip(prompts, params, strict=True):
-            rid = self.engine.add_request(prompt, p)
+        for prompt, p, lora in zip(prompts, params, loras, strict=True):
+            rid = self.engine.add_request(prompt, p, lora_request=lora)
             ids = self.engine.state.requests[rid].prompt_ids
             results[rid] = GenerationResult(rid, ids, [CompletionOutput(i) for i in range(p.n)])
         bar = tqdm(total=len(results), disable=not use_tqdm, desc="generate")

@@ -21,6 +21,9 @@ from engine.config import EngineConfig
 from engine.core.faults import FaultInjector
 from engine.core.messages import Record, Records
 from engine.errors import InvalidRequestError, QueueFullError
+from engine.lora.adapter import ModuleShapes
+from engine.lora.admission import LoRAAdmission
+from engine.lora.request import LoRARequest
 from engine.output.builder import OutputBuilder
 from engine.output.processor import OutputProcessor
 from engine.output.sink import TokenSink
@@ -49,10 +52,16 @@ class LLMEngine:
         self.runner = ModelRunner(config)
         self.busy = BusyEstimate.for_device(self.runner.device)  # stats' gpu_busy_estimate
         self.max_model_len = self.runner.max_model_len
+        self.kv_offload = self.runner.kv_offload  # the host KV tier's copies; None when off
         self.block_manager = BlockManager(
-            self.runner.kv_spec.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
-        )
-        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
+            self.runner.kv_spec.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
+            self.kv_offload.num_slots if self.kv_offload is not None else 0,
+        )  # fmt: skip
+        max_loras = config.max_loras if config.enable_lora else None  # adapters running at once
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len, max_loras)
+        # the base projections' shapes adapters are checked against (also by CoreClient); None: no LoRA
+        self.lora_shapes = ModuleShapes.of(self.runner.model_config) if config.enable_lora else None
+        self.lora_admission = LoRAAdmission(self.lora_shapes, config.max_lora_rank)
         spec = config.speculative
         self.speculator = Speculator(spec, self.max_model_len) if spec is not None else None
         self.faults = FaultInjector(config.fault_injection, self.tokenizer.decode)
@@ -96,16 +105,19 @@ class LLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> str:
+        """Queue a request (lora_request: the adapter it runs with; None: the base model)."""
         params = params or SamplingParams()
         ids = self.tokenize(prompt)
         admission.check(ids, params, self.limits, self.tokenizer)
+        self.lora_admission.check(lora_request)
         if len(self.scheduler.waiting) >= self.config.scheduler.max_waiting:
             raise QueueFullError("the engine queue is full: retry later")
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.state.requests:
             raise InvalidRequestError(f"request_id: {request_id!r} is already in use", field="request_id")
-        request = Request(request_id, ids, params, arrival_time or time.time())
+        request = Request(request_id, ids, params, arrival_time or time.time(), lora_request=lora_request)
         request.metrics.added_time = time.time()
         if params.structured is not None:  # compiled (and cached) by admission.check just above
             compiler = structured.compiler_for(self.tokenizer, self.limits.vocab_size)
@@ -116,6 +128,24 @@ class LLMEngine:
         if self._fault is not None:  # a test hook: the loop that adds this request dies
             self._fault("loop", request)
         return request_id
+
+    # ------------------------------------------------------------------ LoRA adapters (vLLM's names)
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Check the adapter and read it into the host cache (LRU, max_cpu_loras); LoRAError if bad."""
+        self.lora_admission.check(lora_request)
+        self.runner.lora.add(lora_request)
+
+    def remove_lora(self, lora_name: str) -> bool:
+        """Drop the adapter from the host cache and from the GPU slots no running request holds (those
+        finish with it); False when the host cache did not hold it."""
+        self.lora_admission.forget(lora_name)
+        if self.runner.lora is None:
+            return False
+        return self.runner.lora.remove(lora_name, self.scheduler.running_loras() or set())
+
+    def list_loras(self) -> list[str]:
+        """The adapters in the host cache, least recently used first."""
+        return [] if self.runner.lora is None else self.runner.lora.host.names()
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Finish the request now and free its blocks; returns its final output (or None if unknown)."""
@@ -172,6 +202,7 @@ class LLMEngine:
     def _step(
         self, emit: Callable[[], T], with_finals: Callable[[T, list[Request]], T], emit_first=True
     ) -> T:
+        self._take_completed_copies()  # host-tier copies complete since the last step
         if self._ahead is not None and not self.scheduler.running:
             self._ahead.drop()  # every sequence in it has finished since: nothing to wait for
             self._ahead = None
@@ -233,7 +264,9 @@ class LLMEngine:
         if prev is None and nxt.prev_rows:
             # the previous step's draw failed, failing its requests: nxt is dropped unlaunched, and the
             # next schedule() takes its other sequences from where they stand (they keep the blocks
-            # reserved for it)
+            # reserved for it); its host-tier copies are decided, so they run all the same
+            if nxt.kv_transfers:
+                self.kv_offload.submit(nxt.kv_transfers)
             return None
         return self._launch(nxt, prev)
 
@@ -242,6 +275,10 @@ class LLMEngine:
         for chunk in out.chunks:
             metrics = chunk.seq.request.metrics
             metrics.first_scheduled_time = metrics.first_scheduled_time or now
+        if out.kv_transfers:  # before the forward; a failed copy fails the engine (kv_offload.py)
+            self.kv_offload.submit(out.kv_transfers)
+        if out.kv_waits:  # copies in from the host tier that this step's new sequences read
+            self.kv_offload.wait(out.kv_waits)
         if not out.chunks:
             return InFlightStep(out, None)
         try:
@@ -262,11 +299,23 @@ class LLMEngine:
             self.runner.tp.check()
 
     def audit(self) -> list[str]:
+        """KV leaks and double frees in both tiers. Host-tier copies complete by now are taken in
+        first: an idle engine takes no step that would."""
+        self._take_completed_copies()
         return self.block_manager.audit(self.scheduler.live_tables())
 
-    def prefix_summary(self, max_hashes: int) -> tuple[int, list[int]]:
-        """A bounded sample of the prefix cache's block hashes (BlockManager.prefix_summary)."""
-        return self.block_manager.prefix_summary(max_hashes)
+    def _take_completed_copies(self) -> None:
+        if self.kv_offload is not None:
+            self.block_manager.complete_transfers(self.kv_offload.poll())
+
+    def prefix_summary(self, max_hashes: int) -> tuple[int, list[int], list[int]]:
+        """A bounded sample of the prefix cache's block hashes (BlockManager.prefix_summary) and of the
+        host tier's at the same stride (routers count those at a lower weight), together at most
+        `max_hashes`."""
+        bm = self.block_manager
+        if bm.host is None:
+            return (*bm.prefix_summary(max_hashes), [])
+        return bm.host.summary_beside(*bm.prefix_summary(max_hashes // 2), max_hashes)
 
     def get_stats(self) -> dict:
         bm = self.block_manager
@@ -279,6 +328,7 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "gpu_busy_estimate": self.busy.estimate(),  # None without CUDA (engine/runner/busy_estimate.py)
             **self.state.counters.as_dict(),
+            **(self.kv_offload.stats(bm) if self.kv_offload is not None else {}),
             **(self.speculator.get_stats() if self.speculator is not None else {}),
         }
 

@@ -14,13 +14,17 @@ request count and req/s are the real ones, not inflated by one ITL event per tok
 server's stream_interval_ms > 0 a chunk may hold several tokens: ITL is then per chunk.
 
 Options (flag or environment variable):
-  --workload       MINSERVE_WORKLOAD       W1, W2, W3 or a weighted mix "W1:1,W2:3" (default W2)
+  --workload       MINSERVE_WORKLOAD       W1, W2, W3, W4 or a weighted mix "W1:1,W2:3" (default W2)
   --model          MINSERVE_MODEL          default: the first model of GET /v1/models
   --prompt-format  MINSERVE_PROMPT_FORMAT  ids (exact lengths, default) or text
   --endpoint       MINSERVE_ENDPOINT       auto (W3 text -> chat, else completions), completions, chat
   --gen-scale      MINSERVE_GEN_SCALE      multiply generation lengths (e.g. 0.125 on a small CPU box)
   --prompt-scale   MINSERVE_PROMPT_SCALE   multiply prompt lengths
   --no-ignore-eos  MINSERVE_NO_IGNORE_EOS  let the model stop early (default: ignore_eos=true, exact lengths)
+
+W4 (multi-turn) keeps one conversation per user (_workloads.Conversation): each request resends the
+history plus a new message; the answer joins the history as its text (text prompts) or as stand-in
+ids of its length (ids). Its rows are named by turn group ("W4 /v1/completions turn 1" and "turn 2+").
 
 HttpUser (requests) with stream=True is used on purpose: FastHttpUser buffers the SSE body, which
 would turn every token time into the end-of-stream time.
@@ -33,7 +37,7 @@ import random
 import time
 
 import requests
-from _workloads import SHAPES, WORDS, PromptMaker, Request, parse_mix, sample
+from _workloads import SHAPES, WORDS, Conversation, PromptMaker, Request, parse_mix, sample
 from locust import HttpUser, constant, events, task
 from locust.stats import RequestStats
 
@@ -72,7 +76,7 @@ def _separate_timings(environment, **_kwargs) -> None:
 def _add_arguments(parser) -> None:
     group = parser.add_argument_group("minserve workload")
     group.add_argument(
-        "--workload", default="W2", env_var="MINSERVE_WORKLOAD", help="W1, W2, W3 or W1:1,W2:3"
+        "--workload", default="W2", env_var="MINSERVE_WORKLOAD", help="W1, W2, W3, W4 or W1:1,W2:3"
     )
     group.add_argument(
         "--model", default="", env_var="MINSERVE_MODEL", help="model name (default: ask the server)"
@@ -122,6 +126,8 @@ class OpenAIStreamUser(HttpUser):
         self.rng = random.Random()
         self.mix = parse_mix(opts.workload)
         self.maker = PromptMaker(facts["vocab_size"], facts["tokens_per_word"], opts.prompt_format == "text")
+        # multi-turn shapes (W4): one conversation each, carried from request to request
+        self.talks = {n: Conversation(SHAPES[n], self.maker) for n, _ in self.mix if SHAPES[n].multi_turn}
         if opts.endpoint == "chat" and opts.prompt_format == "ids":
             raise ValueError("--endpoint chat needs --prompt-format text (chat messages are text)")
 
@@ -129,16 +135,18 @@ class OpenAIStreamUser(HttpUser):
     def generate(self) -> None:
         names, weights = zip(*self.mix)
         shape = SHAPES[self.rng.choices(names, weights)[0]]
-        req = sample(
-            self.rng,
-            shape,
-            self.maker,
-            self.opts.prompt_scale,
-            self.opts.gen_scale,
-            self.facts["max_model_len"],
-        )
+        scales = (self.opts.prompt_scale, self.opts.gen_scale, self.facts["max_model_len"])
+        talk = self.talks.get(shape.name)
+        if talk is not None:
+            req = talk.next(self.rng, *scales)
+        else:
+            req = sample(self.rng, shape, self.maker, *scales)
         path, body = self._request_body(req)
-        self._stream(path, body, f"{req.workload} {path}")
+        turn = "" if talk is None else (" turn 1" if talk.turn == 1 else " turn 2+")
+        answer = self._stream(path, body, f"{req.workload} {path}{turn}")
+        if talk is not None and answer is not None:
+            text, tokens = answer
+            talk.answered(text if self.maker.as_text else self.maker.make(self.rng, tokens))
 
     def _request_body(self, req: Request) -> tuple[str, dict]:
         common = {
@@ -165,14 +173,16 @@ class OpenAIStreamUser(HttpUser):
             prompt = req.prefix + req.prompt
         return "/v1/completions", {**common, "prompt": prompt}
 
-    def _stream(self, path: str, body: dict, name: str) -> None:
+    def _stream(self, path: str, body: dict, name: str) -> tuple[str, int] | None:
+        """Stream one request and report its timings; (answer text, completion tokens), None if failed."""
         start = time.perf_counter()
         times: list[float] = []  # arrival of each chunk that carries text
         usage = None
+        text: list[str] = []
         with self.client.post(path, json=body, stream=True, catch_response=True, name=name) as resp:
             if resp.status_code != 200:
                 resp.failure(f"HTTP {resp.status_code}: {resp.text[:300]}")
-                return
+                return None
             try:
                 done = False
                 for line in resp.iter_lines():
@@ -187,16 +197,20 @@ class OpenAIStreamUser(HttpUser):
                     if "error" in chunk:
                         raise ValueError(f"error event: {chunk['error']}")
                     usage = chunk.get("usage") or usage
-                    if any(_chunk_text(c) for c in chunk["choices"]):
+                    pieces = [_chunk_text(c) for c in chunk["choices"]]
+                    if any(pieces):
                         times.append(time.perf_counter())
+                        text += pieces
                 if not done:
                     raise ValueError("stream ended without data: [DONE]")
             except Exception as exc:
                 resp.failure(f"{type(exc).__name__}: {exc}")
-                return
+                return None
             resp.success()
         end = time.perf_counter()
-        self._report(name, start, times, end, (usage or {}).get("completion_tokens", len(times)))
+        tokens = (usage or {}).get("completion_tokens", len(times))
+        self._report(name, start, times, end, tokens)
+        return "".join(text), tokens
 
     def _report(self, name: str, start: float, times: list[float], end: float, tokens: int) -> None:
         fire = self.environment.events.request.fire

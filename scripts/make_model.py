@@ -2,6 +2,8 @@
 
     python -m scripts.make_model NAME OUT_DIR [--seed S] [--dtype bf16|fp32] [--device cpu|cuda]
                                  [--quant fp8-block|int8|fp8-channel|fp8-tensor [--dequantized-twin]]
+    python -m scripts.make_model --lora-for MODEL_DIR --out OUT_DIR [--rank R] [--targets all] ...
+                                 (a random PEFT LoRA adapter: scripts/make_lora.py)
 
 NAME is one of scripts/model_shapes.py's SPECS: tiny (the default model of `make serve`), tiny-qwen3,
 tiny-gemma3, tiny-quant, or a real shape (llama-3.2-1b, llama-3.1-8b, qwen3-0.6b, gemma-3-1b). The
@@ -27,6 +29,7 @@ import argparse
 import hashlib
 import importlib.metadata
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -199,6 +202,11 @@ def make_model(
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--lora-for" in argv:  # a random PEFT adapter for a checkpoint (scripts/make_lora.py)
+        from scripts import make_lora
+
+        return make_lora.main(argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("name", help="checkpoint shape: tiny, tiny-qwen3, tiny-gemma3, llama-3.2-1b, ...")
     parser.add_argument("out_dir", type=Path)

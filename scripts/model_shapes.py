@@ -72,6 +72,8 @@ SPECS: dict[str, ModelSpec] = {s.name: s for s in [
             rope_scaling={**_LLAMA3_ROPE, "factor": 32.0, "original_max_position_embeddings": 8192}),
   ModelSpec("llama-3.1-8b", "llama",  4096, 32, 32, 8, 128, 14336, 128256, 131072, 5e5, False, "bf16", 1e-5,
             rope_scaling={**_LLAMA3_ROPE, "factor": 8.0, "original_max_position_embeddings": 8192}),
+  ModelSpec("llama-3.1-70b", "llama", 8192, 80, 64, 8, 128, 28672, 128256, 131072, 5e5, False, "bf16", 1e-5,
+            rope_scaling={**_LLAMA3_ROPE, "factor": 8.0, "original_max_position_embeddings": 8192}),
   ModelSpec("qwen3-0.6b",   "qwen3",  1024, 28, 16, 8, 128,  3072, 151936,  40960, 1e6, True,  "bf16", 1e-6),
   ModelSpec("gemma-3-1b",   "gemma3", 1152, 26,  4, 1, 256,  6912, 262144,  32768, 1e6, True,  "bf16", 1e-6,
             query_pre_attn_scalar=256, **_GEMMA_1B_LOCAL),

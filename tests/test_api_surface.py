@@ -220,7 +220,7 @@ def test_replica_submit_passes_arrival_time_to_the_engine(tiny_model_dir):
     class Core:
         tokenizer = Tokenizer.from_dir(tiny_model_dir)
 
-        def submit(self, prompt, params, request_id=None, arrival_time=None):
+        def submit(self, prompt, params, request_id=None, arrival_time=None, lora_request=None):
             submitted.update(prompt=prompt, arrival_time=arrival_time)
             return request_id
 

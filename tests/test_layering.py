@@ -34,14 +34,15 @@ from tests.import_graph import sources_of as read_sources
 # Which room may import which (a room always may import itself); `-`: nothing of engine/.
 ROOMS_TABLE = """
 room        may import                                            # why
-top         base core sched runner device models sampling spec structured output  # wires the rooms
+top         base core sched runner device models sampling spec structured output lora  # wires the rooms
 core        base sched output           # the core process loop; replica-side live requests make text
 output      base sched sampling         # sampled tokens to outputs: finishes sequences, reads results
-runner      base sched device models sampling spec structured  # runs a scheduled step on the device
+runner      base sched device models sampling spec structured lora  # runs a scheduled step on the device
 spec        base sched sampling         # drafts per sequence, verified by the sampler
 structured  base device                 # grammars and their masks: no scheduler, no runner
 sampling    base device                 # logits to tokens
 models      base device                 # a model knows no requests: no scheduler, no runner
+lora        base models device          # adapters: files, host cache, GPU slots, LoRA layers; no requests
 sched       base                        # plain Python: no torch, no device, no runner
 device      -                           # where tensors live
 base        -                           # configs and value types: no room
@@ -332,6 +333,7 @@ def test_what_app_takes_from_the_engine_today():
         }
     )
     assert used == [
+        ("engine", "LoRARequest"),
         ("engine", "Tokenizer"),
         ("engine", "prompt_block_hashes"),
         ("engine.config", "EngineConfig"),
@@ -339,6 +341,8 @@ def test_what_app_takes_from_the_engine_today():
         ("engine.errors", "EngineDeadError"),
         ("engine.errors", "EngineError"),
         ("engine.errors", "InvalidRequestError"),
+        ("engine.errors", "LoRAError"),
+        ("engine.errors", "LoRANotFoundError"),
         ("engine.errors", "PromptTooLongError"),
         ("engine.errors", "QueueFullError"),
         ("engine.outputs", "CompletionDelta"),

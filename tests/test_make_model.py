@@ -19,6 +19,7 @@ END_OF_TURN = {"tiny": "<|eot_id|>", "tiny-qwen3": "<|im_end|>", "tiny-gemma3": 
 PUBLISHED_PARAMS = {
     "llama-3.2-1b": 1_235_814_400,
     "llama-3.1-8b": 8_030_261_248,
+    "llama-3.1-70b": 70_553_706_496,
     "qwen3-0.6b": 596_049_920,
     "gemma-3-1b": 999_885_952,
 }

@@ -31,6 +31,19 @@ class Add(NamedTuple):
     prompt_ids: list[int]
     params: Any  # SamplingParams
     arrival_time: float
+    lora_request: Any = None  # engine.LoRARequest, checked by the client; None: the base model
+
+
+class AddLoRA(NamedTuple):
+    """Read an adapter (checked by the client) into the core's host cache."""
+
+    lora_request: Any  # engine.LoRARequest
+
+
+class RemoveLoRA(NamedTuple):
+    """Drop an adapter from the core's caches (requests running with it finish with it)."""
+
+    lora_name: str
 
 
 class Abort(NamedTuple):
@@ -48,12 +61,15 @@ class Shutdown(NamedTuple):
     pass
 
 
-Command = Add | Abort | StopSample | Shutdown
+Command = Add | Abort | StopSample | Shutdown | AddLoRA | RemoveLoRA
 
 
 # ---------------------------------------------------------------- core -> client
 class Ready(NamedTuple):
     limits: Any  # engine.sched.admission.Limits
+    # engine.lora.adapter.ModuleShapes of the base model, which the client checks adapters against;
+    # None when the engine runs without LoRA
+    lora_shapes: Any = None
 
 
 class Failed(NamedTuple):

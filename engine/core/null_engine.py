@@ -120,8 +120,8 @@ class NullEngine:
             **self.stats,
         }
 
-    def prefix_summary(self, max_hashes: int) -> tuple[int, list[int]]:
-        return 1, []  # no KV cache
+    def prefix_summary(self, max_hashes: int) -> tuple[int, list[int], list[int]]:
+        return 1, [], []  # no KV cache
 
     def audit(self) -> list[str]:
         return []

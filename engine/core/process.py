@@ -39,6 +39,7 @@ from engine.core.kernel_trace import KernelTrace
 from engine.core.messages import (
     Abort,
     Add,
+    AddLoRA,
     Command,
     Dead,
     Failed,
@@ -47,6 +48,7 @@ from engine.core.messages import (
     Ready,
     Record,
     Records,
+    RemoveLoRA,
     Sample,
     Shutdown,
     Start,
@@ -84,6 +86,7 @@ class EngineCore:
         self.deferred: list[Add] = []  # adds waiting for room in the scheduler's queue, in order
         self.pending: list[Record] = []  # final records produced between steps (aborts, refusals)
         self.aborted_unadded = 0  # aborts of requests still in `deferred`: the engine never saw them
+        self.lora_commands = 0  # AddLoRA / RemoveLoRA applied (the client's mirror: engine/lora/mirror.py)
         self.running = True
         self._last_stats = self._last_summary = 0.0
         self._busy_shown = False  # the last stats showed the GPU busy: an idle core keeps them fresh
@@ -144,6 +147,8 @@ class EngineCore:
         stats = self.engine.get_stats()
         stats["num_aborts"] += self.aborted_unadded
         self._busy_shown = bool(stats.get("gpu_busy_estimate"))
+        if getattr(self.engine, "list_loras", None) is not None:
+            stats["loras"] = (self.lora_commands, self.engine.list_loras())
         if not self.prefix_summary:
             return stats
         now = time.monotonic()
@@ -171,8 +176,24 @@ class EngineCore:
             self.engine.stop_sample(command.request_id, command.index)
         elif isinstance(command, Shutdown):
             self.running = False
+        elif isinstance(command, (AddLoRA, RemoveLoRA)):
+            self.apply_lora(command)
         else:
             raise TypeError(f"unknown engine-core command {command!r}")
+
+    def apply_lora(self, command: AddLoRA | RemoveLoRA) -> None:
+        """An adapter into or out of the host cache. The client checked it; a file that changed since
+        is logged, and its requests fail when they run."""
+        self.lora_commands += 1
+        if getattr(self.engine, "list_loras", None) is None:
+            return  # a stand-in engine (null_engine) holds no adapters
+        try:
+            if isinstance(command, AddLoRA):
+                self.engine.add_lora(command.lora_request)
+            else:
+                self.engine.remove_lora(command.lora_name)
+        except EngineError as exc:
+            log.warning("LoRA command %r failed: %s", command, exc)
 
     def abort(self, rid: str) -> None:
         if any(c.request_id == rid for c in self.deferred):  # aborted before the engine took it
@@ -193,7 +214,8 @@ class EngineCore:
         while self.deferred:
             add = self.deferred[0]
             try:
-                self.engine.add_request(add.prompt_ids, add.params, add.request_id, add.arrival_time)
+                lora = {"lora_request": add.lora_request} if add.lora_request is not None else {}
+                self.engine.add_request(add.prompt_ids, add.params, add.request_id, add.arrival_time, **lora)
             except QueueFullError:
                 return
             except EngineError as exc:
@@ -232,7 +254,7 @@ def main(fd: int, parent_pid: int) -> int:
     except BaseException as exc:
         conn.send(Failed(f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         return 1
-    conn.send(Ready(engine.limits))
+    conn.send(Ready(engine.limits, getattr(engine, "lora_shapes", None)))
     return EngineCore(engine, conn, start.prefix_summary, trace).run()
 
 

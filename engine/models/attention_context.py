@@ -41,6 +41,9 @@ class AttentionMetadata:
     # decode and prefill kernels by each sequence's query count on the device, with grids from shapes
     # alone, so one CUDA graph per token count serves any mix (engine/runner/mixed_graph.py).
     mixed: bool = False
+    # multi-LoRA (engine/lora/layers.py): the adapter slot of each row (int32 [T], -1: none), or None
+    # when no row has an adapter (and no CUDA graph reads a LoRA buffer)
+    lora_slots: torch.Tensor | None = None
 
     @property
     def is_decode(self) -> bool:

@@ -22,9 +22,9 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
+from engine.models.all_reduce import all_reduce
 from engine.models.config import ModelConfig
 from engine.models.layers import Linear, LinearFactory, MergedLinear, _empty_param
 from kernels import ops
@@ -98,8 +98,12 @@ class RowParallelLinear(Linear):
         return (1, self.column, self.weight.shape[1]) if leaf == "weight" else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = ops.linear(x, self.weight, None)
-        dist.all_reduce(out)
+        return self.reduce(ops.linear(x, self.weight, None))
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """The all-reduce of this rank's partial product, then the bias (a LoRA layer adds its own
+        partial product first: engine/lora/layers.py)."""
+        out = all_reduce(partial)
         return out if self.bias is None else out + self.bias
 
 
@@ -156,8 +160,7 @@ class VocabParallelEmbedding(torch.nn.Module):
         outside = (local < 0) | (local >= self.real_rows)
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
         out.masked_fill_(outside.unsqueeze(-1), 0)
-        dist.all_reduce(out)
-        return out
+        return all_reduce(out)
 
 
 class VocabParallelHead(Linear):

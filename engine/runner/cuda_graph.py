@@ -40,6 +40,7 @@ class _GraphSet:
 
     pad_q = 1  # query tokens of a padding sequence
     mixed = False  # attention by query count on the device (AttentionMetadata.mixed)
+    lora = False  # multi-LoRA: every bucket has a lora_slots buffer (set before capture)
 
     def __init__(self, model, device: torch.device, width: int, block_size: int, hidden: torch.Tensor):
         self.model, self.device, self.width, self.block_size = model, device, width, block_size
@@ -60,7 +61,7 @@ class _GraphSet:
     def _forward(self, key: int, shape: StepBatch) -> None:
         i64, i32 = self.inputs[key]
         seqs, rows = self._seqs_rows(key)
-        args = (seqs, self.width, self.block_size, self.pad_q, rows, self.mixed)
+        args = (seqs, self.width, self.block_size, self.pad_q, rows, self.mixed, self.lora)
         ids, pos, meta = unpack(i64, i32, shape, *args)
         with attention_context(meta):
             self.hidden[: ids.shape[0]] = self.model(ids, pos)
@@ -71,7 +72,7 @@ class _GraphSet:
         shape = self._dummy()
         for key in reversed(self.buckets):
             seqs, rows = self._seqs_rows(key)
-            i64, i32 = pack(shape, seqs, self.width, self.pad_q, rows)
+            i64, i32 = pack(shape, seqs, self.width, self.pad_q, rows, lora=self.lora)
             self.inputs[key] = (i64.to(self.device), i32.to(self.device))
             self._forward(key, shape)  # warm-up: compiles every kernel for this shape outside capture
             torch.cuda.synchronize()
@@ -89,7 +90,7 @@ class _GraphSet:
         still on the device; `draft_ids`: (rows, ids) of proposals on the device; both written over the
         packed ids (input_ids are the first rows of the int64 buffer; fed-back rows come first)."""
         seqs, rows = self._seqs_rows(key)
-        i64, i32 = pack(batch, seqs, self.width, self.pad_q, rows, real_tables_only=True)
+        i64, i32 = pack(batch, seqs, self.width, self.pad_q, rows, real_tables_only=True, lora=self.lora)
         static64, static32 = self.inputs[key]
         upload("i64", i64, out=static64)
         upload("i32", i32, out=static32[: i32.numel()])  # the padding rows' tables are never needed

@@ -28,11 +28,13 @@ def capture_sets(
     if config.load.mixed_graphs:
         tokens = config.scheduler.max_num_batched_tokens
         mixed = MixedGraphs(model, device, tokens, max_batch, width, block_size, hidden, dtype)
+        mixed.lora = config.enable_lora
         pool = mixed.capture()
     spec = config.speculative
     graphs = {}
     for q in [1] + ([spec.num_speculative_tokens + 1] if spec is not None else []):
         g = DecodeGraphs(model, device, max_batch, width, block_size, hidden, dtype, q)
+        g.lora = config.enable_lora  # the LoRA layers read each row's slot from the step's buffers
         pool = g.capture(pool)
         graphs[q] = g
     return graphs, mixed

@@ -15,20 +15,25 @@ import functools
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import astuple
 
 import torch
 
 from engine.config import EngineConfig
 from engine.device.placement import resolve_device_dtype
 from engine.device.uploader import Uploader
+from engine.lora.layers import wrap_model
+from engine.lora.manager import LoRAManager
 from engine.models.attention_context import AttentionMetadata, attention_context
 from engine.models.layers import Attention
 from engine.models.loader import load_model
 from engine.models.parallel import local_config
+from engine.runner import tp_wire
 from engine.runner.cuda_graph import DecodeGraphs, MixedGraphs, forward_batch, lm_head_rows
 from engine.runner.draft_runner import DraftRunner
 from engine.runner.graph_sets import capture_sets, max_graph_batch
 from engine.runner.kv_cache import KVCacheSpec, allocate_kv_cache, kv_cache_dtype, plan_kv_cache
+from engine.runner.kv_offload import KVOffload
 from engine.runner.plain_draw import PlainDraw
 from engine.runner.spec_step import SpecStep
 from engine.runner.step_inputs import StepBatch, build_batch, prompt_logprob_rows
@@ -100,8 +105,7 @@ class ModelRunner:
             config.load.model, dtype=self.dtype, device=self.device, quantization=config.load.quantization,
             shard=None if self.tp is None else self.tp.shard,
         )  # fmt: skip
-        if self.tp is not None:  # each forward and logits computation reaches every rank
-            self.model = TPModel(self.model, self.tp, self.model_config.vocab_size)
+        self.lora = self._wrap_model(config)  # LoRA layers (None unless enable_lora), TPModel with TP
         max_pos = self.model_config.max_position_embeddings
         self.max_model_len = min(config.load.max_model_len or min(max_pos, 8192), max_pos)
         self.block_size = config.cache.block_size
@@ -133,6 +137,23 @@ class ModelRunner:
     sampler = _OfDraw()
     bitmasks = _OfDraw()
 
+    def _wrap_model(self, config: EngineConfig) -> LoRAManager | None:
+        """With enable_lora, LoRA layers around the base projections (before the KV pool is sized:
+        their slot stacks take memory), and returns the manager of their slots (else None); with
+        tensor parallelism, each slot load reaches the workers, which read their shares of the same
+        file. Then, with tensor parallelism, the model is wrapped so each forward and logits
+        computation reaches every rank."""
+        manager = None
+        if config.enable_lora:
+            layers = wrap_model(self.model, config.max_loras, config.max_lora_rank)
+            manager = LoRAManager(config, self.model_config, layers, self.dtype)
+        if self.tp is not None:
+            tp = self.tp
+            if manager is not None:
+                manager.on_load = lambda slot, r: tp.send(tp_wire.encode_lora(slot, *astuple(r)))
+            self.model = TPModel(self.model, tp, self.model_config.vocab_size)
+        return manager
+
     def _load_draft(self, config: EngineConfig) -> DraftRunner | None:
         spec = config.speculative
         if spec is None or spec.method != "draft_model":
@@ -157,6 +178,19 @@ class ModelRunner:
         attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for layer, (k_cache, v_cache) in zip(attn_layers, self.kv_caches, strict=True):
             layer.k_cache, layer.v_cache = k_cache, v_cache
+        self.kv_offload = self._host_tier(config)
+
+    def _host_tier(self, config: EngineConfig) -> KVOffload | None:
+        """The host KV tier's copier (kv_offloading_size > 0), else None."""
+        gib = config.cache.kv_offloading_size
+        if not gib:
+            return None
+        if self.tp is not None or self.draft is not None:  # their KV lives in other caches too
+            raise ValueError(
+                "kv_offloading_size: the host KV tier needs tensor_parallel_size 1 and no draft model; "
+                "set kv_offloading_size 0 or drop those options"
+            )
+        return KVOffload(self.kv_caches, self.kv_spec, gib)
 
     def _capture_graphs(self, config: EngineConfig, max_batch: int) -> dict[int, DecodeGraphs]:
         """CUDA graphs: mixed steps by token count (config.load.mixed_graphs), then uniform steps by
@@ -193,6 +227,8 @@ class ModelRunner:
         step with proposals is verified (self.spec) instead: a PendingSpec."""
         self._copy_blocks(out.block_copies)
         batch = build_batch(out, self.block_size)
+        if self.lora is not None:
+            batch.lora_slots = self.lora.token_slots(out.chunks, out.active_loras)
         proposals = self.spec.propose(out, batch) if self.spec is not None else None
         fed_back = self._fed_back(out, prev)
         draft_ids = None if proposals is None else proposals.draft_ids

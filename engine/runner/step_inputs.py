@@ -4,11 +4,13 @@ All integer inputs of a step travel to the device in two host buffers (one int64
 step costs two pinned host-to-device copies however many sequences it has:
 
     int64: input_ids[R] | positions[R] | slot_mapping[R]
-    int32: cu_seqlens_q[S + 1] | seq_lens[S] | block_tables[S * W]
+    int32: cu_seqlens_q[S + 1] | seq_lens[S] | lora_slots[R] | block_tables[S * W]
 
 R rows of tokens and S sequences, padded beyond the real batch when a CUDA graph bucket is bigger:
 padding tokens have slot -1 (write nothing), padding sequences have one query token, seq_len 1 and
-block 0 (finite reads, ignored outputs). W is the block-table width.
+block 0 (finite reads, ignored outputs). W is the block-table width. lora_slots (each row's adapter
+slot, -1: none; padding rows -1) is there only with multi-LoRA: a step with an adapter row, or any step
+of a CUDA graph captured with LoRA.
 
 Every segment starts on a 16-byte boundary (`Layout`; unused gap entries are never read). Triton
 specialises a kernel on whether each pointer argument is 16-byte aligned, so segments at offsets that
@@ -49,6 +51,7 @@ class StepBatch:
     spec_num_draft: list[int] = field(default_factory=list)
     spec_logit_rows: list[int] = field(default_factory=list)
     spec_draft_rows: list[int] = field(default_factory=list)
+    lora_slots: list[int] | None = None  # each row's LoRA adapter slot (-1: none); None: no adapter row
 
     @property
     def is_decode(self) -> bool:
@@ -160,6 +163,7 @@ class Layout:
 
     rows: int
     num_seqs: int
+    lora: bool = False  # a lora_slots segment between seq_lens and the block tables
 
     @property
     def row_stride(self) -> int:  # int64 segments: ids at 0, positions at 1x, slots at 2x this
@@ -170,8 +174,12 @@ class Layout:
         return _up(self.num_seqs + 1, 4)
 
     @property
-    def tables_at(self) -> int:
+    def lora_at(self) -> int:
         return self.seq_lens_at + _up(self.num_seqs, 4)
+
+    @property
+    def tables_at(self) -> int:
+        return self.lora_at + (_up(self.rows, 4) if self.lora else 0)
 
 
 def pack(
@@ -181,6 +189,7 @@ def pack(
     pad_q: int = 1,
     rows: int | None = None,
     real_tables_only: bool = False,
+    lora: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The two host buffers, padded to `num_seqs` sequences (>= the real count; padding only for
     CUDA-graph steps) and block-table width `width`. Padding sequences have `pad_q` query tokens and
@@ -189,11 +198,12 @@ def pack(
 
     real_tables_only: the int32 buffer ends after the real sequences' table rows, a prefix of the full
     one for a graph's static buffer: the padding rows there keep what an earlier step left, block ids
-    of the pool, which a padding sequence reads at most one key of and never uses."""
+    of the pool, which a padding sequence reads at most one key of and never uses.
+    lora: write the lora_slots segment (None: when the batch has adapter rows)."""
     pad = num_seqs - len(b.seq_lens)
     if rows is None:
         rows = len(b.input_ids) + pad * pad_q
-    lay = Layout(rows, num_seqs)
+    lay = Layout(rows, num_seqs, b.lora_slots is not None if lora is None else lora)
     r = lay.row_stride
     i64 = np.zeros(3 * r, dtype=np.int64)
     i64[: len(b.input_ids)] = b.input_ids
@@ -205,6 +215,9 @@ def pack(
     i32[1 : len(b.query_lens) + 1] = np.cumsum(b.query_lens)
     i32[len(b.query_lens) + 1 : num_seqs + 1] = i32[len(b.query_lens)] + pad_q * np.arange(1, pad + 1)
     i32[lay.seq_lens_at : lay.seq_lens_at + num_seqs] = b.seq_lens + [pad_q] * pad
+    if lay.lora:
+        i32[lay.lora_at : lay.lora_at + rows] = -1
+        i32[lay.lora_at : lay.lora_at + len(b.lora_slots or ())] = b.lora_slots or ()
     tables = i32[lay.tables_at :].reshape(table_rows, width)
     for row, blocks in zip(tables, b.block_tables):
         row[: len(blocks)] = blocks  # entries past a sequence's last block are never read
@@ -221,12 +234,14 @@ def unpack(
     pad_q: int = 1,
     rows: int | None = None,
     mixed: bool = False,
+    lora: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """(input_ids, positions, metadata) as views into the two buffers, on whatever device they are;
     padding as `pack` made it. `mixed`: attention splits the batch by query count on the device
-    (AttentionMetadata.mixed), which any batch allows and a mixed graph needs."""
+    (AttentionMetadata.mixed), which any batch allows and a mixed graph needs. lora: as in `pack`."""
     pad = num_seqs - len(b.seq_lens)
-    lay = Layout(sum(b.query_lens) + pad * pad_q if rows is None else rows, num_seqs)
+    lora = b.lora_slots is not None if lora is None else lora
+    lay = Layout(sum(b.query_lens) + pad * pad_q if rows is None else rows, num_seqs, lora)
     rows, r = lay.rows, lay.row_stride
     meta = AttentionMetadata(
         cu_seqlens_q=i32[: num_seqs + 1],
@@ -239,5 +254,6 @@ def unpack(
         max_seqlen_k=max(b.seq_lens) if pad == 0 else width * block_size,
         block_size=block_size,
         mixed=mixed,
+        lora_slots=i32[lay.lora_at : lay.lora_at + rows] if lora else None,
     )
     return i64[:rows], i64[r : r + rows], meta

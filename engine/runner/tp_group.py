@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 
 from engine.config import EngineConfig
+from engine.device.placement import resolve_device_dtype
+from engine.models import all_reduce
 from engine.models.parallel import Shard, check_tp
 from engine.models.registry import config_from_dir
 from engine.runner import tp_wire
@@ -102,6 +104,11 @@ class TPGroup:
                  [p.pid for p in self.procs.values()])  # fmt: skip
 
     def _start(self, store: dist.TCPStore, config: EngineConfig) -> None:
+        if dist.is_initialized():
+            raise RuntimeError(
+                "tensor_parallel_size > 1: this process already ran a tensor-parallel engine on CUDA, whose "
+                "NCCL group lives until the process ends; start each such engine in a process of its own"
+            )
         for rank in range(1, self.shard.size):
             self._spawn(rank, store.port, config)
         self._await_ready(store)
@@ -109,6 +116,8 @@ class TPGroup:
             torch.cuda.set_device(self.device.index or 0)
         backend, size = backend_for(self.device), self.shard.size
         dist.init_process_group(backend, store=store, rank=0, world_size=size, timeout=TIMEOUT)
+        dtype = resolve_device_dtype(config.load.device, config.load.dtype)[1]
+        all_reduce.install(self.device, dtype, not config.disable_custom_all_reduce)
 
     def _spawn(self, rank: int, port: int, config: EngineConfig) -> None:
         """Start rank `rank` from a keeper thread that waits on it for its whole life (its death signal
@@ -216,8 +225,12 @@ class TPGroup:
         """Stop the workers (EOF on their pipes; SIGKILL after CLOSE_WAIT_S) and leave the group."""
         self.closing = True
         self._finalizer()
-        with contextlib.suppress(Exception):
-            dist.destroy_process_group()
+        # The workers are gone. gloo's destroy is local; NCCL's (and its abort) waits for peers that
+        # left, and hung on H200s, so a CUDA group stays until the process ends: one tensor-parallel
+        # engine per process on CUDA (the engine core's life; tests and benchmarks start one each).
+        if self.device.type != "cuda":
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
 
 
 def _stop(procs: dict[int, subprocess.Popen], pipes: dict[int, int]) -> None:

@@ -12,6 +12,7 @@ buffers in stream order, after those writes.
 
 from __future__ import annotations
 
+import json
 import os
 import struct
 
@@ -20,9 +21,9 @@ import torch
 
 from engine.models.attention_context import AttentionMetadata
 
-FORWARD, LOGITS, COPY, KV, CAPTURE, REPLAY = range(1, 7)
+FORWARD, LOGITS, COPY, KV, CAPTURE, REPLAY, LORA = range(1, 8)
 DTYPES = (torch.int64, torch.int32)  # span dtype codes
-SLOTS = ("input_ids", "positions", "slot_mapping", "cu_seqlens_q", "seq_lens", "block_tables")
+SLOTS = ("input_ids", "positions", "slot_mapping", "cu_seqlens_q", "seq_lens", "block_tables", "lora_slots")
 _LEN = struct.Struct("<q")
 
 
@@ -45,7 +46,8 @@ def recv(stream) -> list[int] | None:
 
 
 def _tensors(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> list:
-    return [input_ids, positions, meta.slot_mapping, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables]
+    return [input_ids, positions, meta.slot_mapping, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
+            meta.lora_slots]  # fmt: skip
 
 
 def _spans(tensors: list[torch.Tensor | None]) -> tuple[list[torch.Tensor], list[int]]:
@@ -98,7 +100,7 @@ def decode_forward(
         tensors.append(view.view(d0, d1) if SLOTS[i] == "block_tables" and view is not None else view)
     at += 4 * len(SLOTS)
     mixed, max_q, max_k, block_size, n = header[at : at + 5]
-    ids, pos, slots, cu, seq_lens, tables = tensors
+    ids, pos, slots, cu, seq_lens, tables, lora_slots = tensors
     meta = AttentionMetadata(
         cu_seqlens_q=cu,
         seq_lens=seq_lens,
@@ -110,6 +112,7 @@ def decode_forward(
         max_seqlen_k=max_k,
         block_size=block_size,
         mixed=bool(mixed),
+        lora_slots=lora_slots,
     )
     return ids, pos, meta
 
@@ -117,3 +120,15 @@ def decode_forward(
 def span_shapes(header: list[int]) -> list[tuple[torch.dtype, int]]:
     """(dtype, length) of each span a forward's header announces."""
     return [(DTYPES[header[2 + 2 * i]], header[3 + 2 * i]) for i in range(header[1])]
+
+
+def encode_lora(slot: int, name: str, int_id: int, path: str) -> list[int]:
+    """Load adapter (name, int_id, path) into LoRA slot `slot` (each rank reads its share of the file)."""
+    raw = json.dumps([name, int_id, path]).encode()
+    return [LORA, slot, *raw]
+
+
+def decode_lora(header: list[int]) -> tuple[int, str, int, str]:
+    """(slot, name, int_id, path) of an encode_lora header."""
+    name, int_id, path = json.loads(bytes(header[2:]).decode())
+    return header[1], name, int_id, path

@@ -22,6 +22,10 @@ import torch.distributed as dist
 
 from engine.config import EngineConfig
 from engine.device.placement import resolve_device_dtype
+from engine.lora.layers import wrap_model
+from engine.lora.manager import LoRAManager
+from engine.lora.request import LoRARequest
+from engine.models import all_reduce
 from engine.models.attention_context import attention_context
 from engine.models.layers import Attention
 from engine.models.loader import load_model
@@ -44,6 +48,10 @@ class Worker:
         self.spans: dict[tuple[torch.dtype, int], torch.Tensor] = {}  # forward input buffers, reused
         self.kv_caches: list = []
         self.graphs: dict[int, object] = {}  # CUDA graph sets by kind (query length; 0: mixed)
+        self.lora = None  # multi-LoRA: this rank's adapter slots, loaded as rank 0 loads its own
+        if config.enable_lora:
+            layers = wrap_model(self.model, config.max_loras, config.max_lora_rank)
+            self.lora = LoRAManager(config, self.model_config, layers, dtype)
 
     def run(self, commands) -> None:
         handlers = {
@@ -53,6 +61,7 @@ class Worker:
             tp_wire.KV: self.allocate_kv,
             tp_wire.CAPTURE: self.capture,
             tp_wire.REPLAY: self.replay,
+            tp_wire.LORA: self.load_lora,
         }
         with torch.inference_mode():
             while (header := tp_wire.recv(commands)) is not None:
@@ -107,6 +116,10 @@ class Worker:
     def replay(self, header: list[int]) -> None:
         self.graphs[header[1]].graphs[header[2]].replay()
 
+    def load_lora(self, header: list[int]) -> None:
+        slot, name, int_id, path = tp_wire.decode_lora(header)
+        self.lora.load_slot(slot, LoRARequest(name, int_id, path))
+
 
 def _die_with_parent() -> None:
     """SIGKILL this process when the thread that started it ends (Linux; elsewhere the pipe's EOF)."""
@@ -135,6 +148,7 @@ def main(rank: int, size: int, port: int, parent_pid: int) -> int:
     store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=TIMEOUT)
     store.set(f"ready/{rank}", "1")  # rank 0 waits for this, watching that no worker died first
     dist.init_process_group(backend_for(device), store=store, rank=rank, world_size=size, timeout=TIMEOUT)
+    all_reduce.install(device, dtype, not config.disable_custom_all_reduce)
     Worker(config, Shard(rank, size), device, dtype).run(commands)
     # EOF: rank 0 closed the group. Nothing is left to flush, and a clean interpreter teardown of
     # torch (and the group) takes seconds on a busy host: leave at once.

@@ -7,16 +7,25 @@ Invariants
     prefix cache until they are evicted (LRU: least recently freed first); free blocks without a hash
     are always handed out before any cached block is evicted.
   * Only *full* blocks whose tokens are all computed are hashed. The hash chains the previous block's
-    hash with this block's token ids, so equal hashes mean equal whole prefixes.
+    hash with this block's token ids, so equal hashes mean equal whole prefixes. A LoRA adapter's
+    chain starts from the adapter's seed (`adapter_seed`), so two adapters never share a block.
+  * With a host tier (engine/sched/host_tier.py), a cached block evicted here is offered to it, and
+    match_prefix continues a prefix there: a block found only in the tier is allocated here and
+    copied back, the copy holding one reference until the runner reports it complete; its hash is
+    published here only then. The table holding it is scheduled only once the copy is handed to the
+    runner (`is_loading`), in a step whose compute waits for it (`copies_in_flight`).
   * A sequence never writes into a block it shares (ref_count > 1): `prepare_append` replaces such a
     block by a private copy first (copy-on-write) and reports the copy for the runner to perform.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
+
+from engine.sched.host_tier import HostTier, TierTransfers
 
 
 def chain_hash(parent: int | None, tokens: Seq[int]) -> int:
@@ -28,12 +37,25 @@ def chain_hash(parent: int | None, tokens: Seq[int]) -> int:
     return hash((-1 if parent is None else parent, tuple(tokens)))
 
 
-def prompt_block_hashes(token_ids: Seq[int], block_size: int, max_blocks: int) -> list[int]:
+def adapter_seed(lora_request) -> int | None:
+    """Where the hash chain of a request's blocks starts: None for the base model; for a LoRA adapter
+    (an engine.LoRARequest), a value of its name, id and path, the same in every process (a router
+    computes it in another), non-negative (so never the base chain's -1)."""
+    if lora_request is None:
+        return None
+    r = lora_request
+    key = f"{r.lora_name}\0{r.lora_int_id}\0{r.lora_path}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
+
+
+def prompt_block_hashes(
+    token_ids: Seq[int], block_size: int, max_blocks: int, lora_request=None
+) -> list[int]:
     """The chain hashes of the blocks `match_prefix` could find for this prompt: (len - 1) //
     block_size of them (the last token is always computed), at most `max_blocks`. Request routers use
-    them as the prompt's key (app/router.py)."""
+    them as the prompt's key (app/router.py). lora_request: the request's adapter (None: base model)."""
     hashes: list[int] = []
-    parent = None
+    parent = adapter_seed(lora_request)
     for i in range(min((len(token_ids) - 1) // block_size, max_blocks)):
         parent = chain_hash(parent, token_ids[i * block_size : (i + 1) * block_size])
         hashes.append(parent)
@@ -56,7 +78,9 @@ class NoFreeBlocksError(RuntimeError):
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, host_blocks: int = 0
+    ):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -67,6 +91,8 @@ class BlockManager:
         self.free_cached: OrderedDict[int, None] = OrderedDict()  # LRU order: first = evicted first
         self.prefix_queries = 0  # blocks looked up in the prefix cache
         self.prefix_hits = 0
+        # the host tier (kv_offloading_size): None when off; a tier serves only the prefix cache
+        self.host = HostTier(host_blocks) if host_blocks and enable_prefix_caching else None
 
     # ------------------------------------------------------------------ capacity
     @property
@@ -82,36 +108,85 @@ class BlockManager:
         return max(0, -(-num_tokens // self.block_size) - len(table.blocks))
 
     # ------------------------------------------------------------------ prefix cache
-    def match_prefix(self, table: BlockTable, token_ids: Seq[int]) -> int:
+    def match_prefix(self, table: BlockTable, token_ids: Seq[int], seed: int | None = None) -> int:
         """Attach cached full blocks matching the start of `token_ids` to an empty table.
 
         At most (len - 1) // block_size blocks are matched, so the last token is always computed
         (its logits are needed) and no matched block is ever written to. Returns cached tokens.
+        seed: the chain's start (adapter_seed of the request's adapter; None: the base model).
         """
         assert not table.blocks, "match_prefix needs an empty block table"
         if not self.enable_prefix_caching:
             return 0
-        parent = None
+        parent, reloads, blocks = seed, 0, -(-len(token_ids) // self.block_size)
         for i in range((len(token_ids) - 1) // self.block_size):
             self.prefix_queries += 1
             h = chain_hash(parent, token_ids[i * self.block_size : (i + 1) * self.block_size])
             block = self.cached.get(h)
-            if block is None:
+            if block is not None:
+                self.prefix_hits += 1
+                self._take(block)
+            elif (block := self._reload(h, blocks - len(table.blocks))) is None:
                 break
-            self.prefix_hits += 1
-            self._take(block)
+            else:
+                reloads += 1
             table.blocks.append(block)
             table.hashes.append(h)
             parent = h
+        if reloads:
+            self.host.hit_requests += 1
         return len(table.blocks) * self.block_size
 
-    def register_full_blocks(self, table: BlockTable, token_ids: Seq[int], num_computed: int) -> None:
-        """Hash every block that is now full of computed tokens and publish it in the prefix cache."""
+    # ------------------------------------------------------------------ host tier
+    def _reload(self, h: int, need: int) -> int | None:
+        """A GPU block for hash `h`, to be copied back from the host tier (None: not there, or fewer
+        than `need` free blocks here, the rest of the prompt's: a sequence that could not run once
+        loaded would hold its blocks idle). Two references: the copy's (until complete_transfers) and
+        the table's."""
+        if self.host is None or self.num_free < need:
+            return None
+        slot = self.host.lookup(h)
+        if slot is None:
+            return None
+        block = self._allocate()  # may evict (and offer) a cached block; `slot` is referenced
+        self.ref_count[block] += 1
+        self.host.reload(slot, block, h)
+        return block
+
+    def is_loading(self, table: BlockTable) -> bool:
+        """Must the table wait: is a copy into one of its blocks not handed to the runner yet?"""
+        return self.host is not None and self.host.unsent(table.blocks)
+
+    def copies_in_flight(self, table: BlockTable) -> set[int]:
+        """The batches of copies into the table's blocks not complete yet: a step that reads those
+        blocks must wait for them."""
+        return self.host.batches_of(table.blocks) if self.host is not None else set()
+
+    def take_transfers(self) -> TierTransfers | None:
+        """The copies between tiers decided since the last call, for the step being scheduled."""
+        return self.host.take() if self.host is not None else None
+
+    def complete_transfers(self, batch_ids: list[int]) -> None:
+        """The runner finished these batches: reloaded blocks get their hash and lose the copy's
+        reference (an aborted owner's block stays cached); offloaded slots become findable."""
+        for batch_id in batch_ids:
+            batch = self.host.complete(batch_id)
+            for (_, block), h in zip(batch.reloads, batch.reload_hashes, strict=True):
+                if h not in self.cached and self.block_hash[block] is None:
+                    self.cached[h] = block
+                    self.block_hash[block] = h
+                self._release(block)
+
+    def register_full_blocks(
+        self, table: BlockTable, token_ids: Seq[int], num_computed: int, seed: int | None = None
+    ) -> None:
+        """Hash every block that is now full of computed tokens and publish it in the prefix cache
+        (seed: as in match_prefix)."""
         if not self.enable_prefix_caching:
             return
         full = min(num_computed // self.block_size, len(table.blocks))
         for i in range(len(table.hashes), full):
-            parent = table.hashes[i - 1] if i else None
+            parent = table.hashes[i - 1] if i else seed
             h = chain_hash(parent, token_ids[i * self.block_size : (i + 1) * self.block_size])
             table.hashes.append(h)
             block = table.blocks[i]
@@ -142,8 +217,11 @@ class BlockManager:
             block = self.free_uncached.pop()
         elif self.free_cached:
             block, _ = self.free_cached.popitem(last=False)  # evict the least recently freed
-            del self.cached[self.block_hash[block]]
+            h = self.block_hash[block]
+            del self.cached[h]
             self.block_hash[block] = None
+            if self.host is not None:  # copied out before any write of the step that reuses it
+                self.host.offer(h, block)
         else:
             raise NoFreeBlocksError("KV pool exhausted")
         self.ref_count[block] = 1
@@ -220,11 +298,14 @@ class BlockManager:
 
     # ------------------------------------------------------------------ checks
     def audit(self, live_tables: list[BlockTable]) -> list[str]:
-        """Compare reference counts with the live tables; any difference is a leak or a double free."""
+        """Compare reference counts with the live tables and the copies in flight from the host tier;
+        any difference is a leak or a double free. Covers the host tier's slots too."""
         expected = [0] * self.num_blocks
         for table in live_tables:
             for block in table.blocks:
                 expected[block] += 1
+        for block in self.host.loading if self.host is not None else ():
+            expected[block] += 1  # the copy's reference
         problems = [
             f"block {b}: ref_count {self.ref_count[b]} but {expected[b]} live references"
             for b in range(self.num_blocks)
@@ -239,4 +320,4 @@ class BlockManager:
             for b in range(self.num_blocks)
             if not self.ref_count[b] and b not in free
         ]
-        return problems
+        return problems + (self.host.audit() if self.host is not None else [])

@@ -21,7 +21,7 @@ from typing import Any
 
 from engine.outputs import RequestMetrics, TokenLogprob
 from engine.sampling_params import SamplingParams
-from engine.sched.block_manager import BlockTable
+from engine.sched.block_manager import BlockTable, adapter_seed
 
 _seq_ids = itertools.count()
 
@@ -112,11 +112,15 @@ class Request:
     forked: bool = False  # the n samples exist
     aborted: bool = False
     cached_tokens: int = 0
+    # engine.lora.LoRARequest of the adapter the request runs with (None: the base model)
+    lora_request: Any = None
     metrics: RequestMetrics = field(init=False)
     num_prompt: int = field(init=False)
+    cache_seed: int | None = field(init=False)  # its prefix-cache chain's start (block_manager)
 
     def __post_init__(self) -> None:
         self.num_prompt = len(self.prompt_ids)
+        self.cache_seed = adapter_seed(self.lora_request)
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
         self.seqs.append(Sequence(self, 0, list(self.prompt_ids)))
         self.forked = self.params.n == 1

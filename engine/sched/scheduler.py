@@ -6,7 +6,12 @@ Pure Python bookkeeping (no torch). Each step has one token budget (max_num_batc
   3. waiting sequences are admitted FCFS into the rest, unless this step had to preempt.
 So a long prompt never holds running decodes back for more than one chunk. When KV blocks run out,
 the newest running sequence not yet scheduled this step is preempted: its blocks are dropped and it
-is recomputed later (its tokens are kept, so its output is unchanged).
+is recomputed later (its tokens are kept, so its output is unchanged). With a host KV tier its full
+blocks go to the prefix cache as any freed block, so they come back by hash (docs/kv_offload.md).
+
+A waiting sequence whose prefix is found in the host tier gets GPU blocks at once and waits in
+`loading` until their copies are handed to the runner with a step (BlockManager.is_loading), then
+runs in a later step whose compute waits for those copies (`kv_waits`); admission goes on meanwhile.
 
 Async scheduling (`schedule_ahead`): while a step is still on the device, the next one is scheduled
 before its sampled tokens reach the host. Each sequence it samples for decodes next, its input token
@@ -22,6 +27,7 @@ from dataclasses import dataclass, field
 
 from engine.config import SchedulerConfig
 from engine.sched.block_manager import BlockManager
+from engine.sched.host_tier import TierTransfers
 from engine.sched.request import Request, SeqStatus, Sequence
 
 
@@ -51,6 +57,13 @@ class SchedulerOutput:
     # a step scheduled ahead with a row whose draw reads host state the previous step's tokens change
     # (a grammar matcher, penalties' token history): its draw waits for them (DeferredSample)
     draw_late: bool = False
+    # copies between the GPU pool and the host KV tier, done before this step's forward writes
+    kv_transfers: TierTransfers | None = None
+    # batches of such copies, in flight, into blocks of sequences this step admits: its compute waits
+    kv_waits: set[int] = field(default_factory=set)
+    # multi-LoRA: the adapters (LoRARequest.key) running sequences hold, whose GPU slots the runner
+    # keeps; None without LoRA
+    active_loras: set | None = None
 
     @property
     def num_batched_tokens(self) -> int:
@@ -62,12 +75,21 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int):
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        max_model_len: int,
+        max_loras: int | None = None,
+    ):
         self.config = config
+        # multi-LoRA: at most this many distinct adapters among running sequences (GPU slots), else None
+        self.max_loras = max_loras
         self.bm = block_manager
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: oldest first
+        self.loading: list[Sequence] = []  # waiting for their prefix blocks from the host tier
         self.num_preemptions = 0
 
     # ------------------------------------------------------------------ queue management
@@ -75,7 +97,7 @@ class Scheduler:
         self.waiting.append(request.seqs[0])
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
 
     def _reserved_slots(self) -> int:
         """Sequence slots promised to running requests that have not forked their n samples yet."""
@@ -96,6 +118,9 @@ class Scheduler:
                         self._mark_prompt_logprobs(seq, out)
         if out.num_preempted == 0:
             self._admit_waiting(budget, out)
+        else:
+            out.active_loras = self.running_loras()
+        out.kv_transfers = self.bm.take_transfers()
         return out
 
     def _schedule_running(self, seq: Sequence, budget: int, scheduled: set[int], out: SchedulerOutput) -> int:
@@ -121,29 +146,83 @@ class Scheduler:
         return d if self.bm.can_append(seq.table, seq.num_computed, 1 + d) else 0
 
     def _admit_waiting(self, budget: int, out: SchedulerOutput) -> None:
+        """Admit waiting sequences in order. With LoRA, one whose adapter would make the running
+        sequences hold more than max_loras distinct adapters is passed over and keeps its place
+        (vLLM's max_loras per batch); `out.active_loras` tells the runner which slots to keep."""
+        passed: list[Sequence] = []
+        try:
+            self._admit(budget, out, passed)
+        finally:
+            self.waiting.extendleft(reversed(passed))
+        out.active_loras = self.running_loras()
+
+    def running_loras(self) -> set | None:
+        """The adapters (LoRARequest.key) of running and loading sequences; None without LoRA."""
+        if self.max_loras is None:
+            return None
+        requests = (s.request.lora_request for s in [*self.running, *self.loading])
+        return {lora.key for lora in requests if lora is not None}
+
+    def _lora_fits(self, seq: Sequence, loras: set | None) -> bool:
+        lora = seq.request.lora_request
+        if loras is None or lora is None or lora.key in loras:
+            return True
+        if len(loras) < self.max_loras:
+            loras.add(lora.key)
+            return True
+        return False
+
+    def _admit(self, budget: int, out: SchedulerOutput, passed: list[Sequence]) -> None:
+        if self.loading:
+            self._requeue_loaded()
+        loras = self.running_loras()
         while self.waiting and budget > 0:
             seq = self.waiting[0]
+            if not self._lora_fits(seq, loras):
+                passed.append(self.waiting.popleft())
+                continue
             slots = 1 if seq.request.forked else seq.request.params.n
-            if len(self.running) + self._reserved_slots() + slots > self.config.max_num_seqs:
+            taken = len(self.running) + len(self.loading) + self._reserved_slots()
+            if taken + slots > self.config.max_num_seqs:
                 return
             # a request that wants its prompt's logprobs computes every position: it takes no cached
             # blocks (its own full blocks are still published for others)
             if not seq.table.blocks and seq.request.params.prompt_logprobs is None:
-                seq.num_computed = self.bm.match_prefix(seq.table, seq.token_ids)
+                seq.num_computed = self.bm.match_prefix(seq.table, seq.token_ids, seq.request.cache_seed)
                 if seq.request.metrics.first_scheduled_time is None:
                     seq.request.cached_tokens = seq.num_computed
+                if self.bm.is_loading(seq.table):  # it waits for its copies, the others go on
+                    self.loading.append(self.waiting.popleft())
+                    continue
             n = min(seq.num_pending, budget)
             if not self.bm.can_append(seq.table, seq.num_computed, n):
-                self.bm.free(seq.table)  # a waiting sequence holds no blocks: others may need them
-                seq.num_computed = 0
+                self._release_waiting()  # a waiting sequence holds no blocks: others may need them
                 return
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             self._add_chunk(seq, n, out)
+            if self.bm.host is not None and self.bm.host.loading:
+                out.kv_waits |= self.bm.copies_in_flight(seq.table)
             if seq.request.params.prompt_logprobs is not None:
                 self._mark_prompt_logprobs(seq, out)
             budget -= n
+
+    def _release_waiting(self) -> None:
+        """Admission stops here: every waiting sequence gives its blocks back (prefix hits, and blocks
+        loaded from the host tier, published by now: it finds them again by hash), so none holds
+        blocks the one at the head needs while nothing runs to free any."""
+        for seq in self.waiting:
+            if seq.table.blocks:
+                self.bm.free(seq.table)
+                seq.num_computed = 0
+
+    def _requeue_loaded(self) -> None:
+        """Sequences whose host-tier blocks are all in go back to the head of the queue, in order."""
+        ready = [s for s in self.loading if not self.bm.is_loading(s.table)]
+        if ready:
+            self.loading = [s for s in self.loading if self.bm.is_loading(s.table)]
+            self.waiting.extendleft(reversed(ready))
 
     def _add_chunk(
         self, seq: Sequence, n: int, out: SchedulerOutput, num_draft: int = 0, start: int | None = None
@@ -219,7 +298,10 @@ class Scheduler:
             params = seq.request.params
             out.draw_late |= seq.grammar is not None or params.draws_from_history
         self._admit_waiting(self.config.max_num_batched_tokens - out.num_batched_tokens, out)
-        return out if out.chunks else None
+        if not out.chunks:
+            return None  # copies decided meanwhile go with the next schedule()
+        out.kv_transfers = self.bm.take_transfers()
+        return out
 
     def _ahead_plan(self, prev: SchedulerOutput) -> list[tuple[Sequence, int, int, int | None]] | None:
         """(sequence, start, tokens, sampling row of `prev` fed back or None) for every running
@@ -284,7 +366,7 @@ class Scheduler:
                 seq.num_computed = done
                 if chunk.num_draft:
                     self.bm.trim(seq.table, seq.num_tokens)
-                self.bm.register_full_blocks(seq.table, seq.token_ids, done)
+                self.bm.register_full_blocks(seq.table, seq.token_ids, done, seq.request.cache_seed)
 
     def preempt(self, seq: Sequence) -> None:
         """Drop the sequence's KV and queue it first in line for recomputation."""
@@ -301,6 +383,8 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SeqStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
+        elif seq.status is SeqStatus.WAITING and seq in self.loading:
+            self.loading.remove(seq)  # its blocks in flight keep the copy's reference until done
         self.bm.free(seq.table)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = seq.finish_reason or reason
@@ -313,4 +397,4 @@ class Scheduler:
                 self.finish(seq, reason)
 
     def live_tables(self):
-        return [s.table for s in list(self.running) + list(self.waiting)]
+        return [s.table for s in [*self.running, *self.waiting, *self.loading]]

@@ -1,0 +1,243 @@
+"""Tensor parallelism against one GPU in the same run: decode tok/s, rooflines, all-reduce share, top-1.
+
+    python -m benchmarks.tp_bench --model CKPT --tp 1,2,4 \
+        --allreduce benchmarks/reports/gpu/tp_allreduce.json --out benchmarks/reports/gpu/tp_bench_8b
+
+For each TP size (each in turn, its workers stopped before the next starts):
+  * (a) batch-1 decode and (b) batch-64 decode at 1k context, timed step by step as benchmarks/bench.py
+    does (benchmarks/engine_runs.decode_figure), with TP > 1 twice: the one-shot all-reduce on and off
+    (`disable_custom_all_reduce`);
+  * the roofline of each: the bytes one GPU reads per step (its share of the weights and of the KV) over
+    the measured copy bandwidth;
+  * the all-reduce time a step holds: 2 per layer and 1 for the embedding, each of batch x hidden bf16,
+    timed per message size by benchmarks/tp_allreduce.py (--allreduce), NCCL and one-shot in a graph;
+  * teacher-forced top-1: the greedy choice at every position of 64 fixed prompts (prompt_logprobs),
+    all 64 in one batch, against TP=1's; TP=1 is also compared with itself one prompt at a time, which
+    is the agreement bf16's reduction order alone leaves on random weights.
+JSON plus a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.common import environment, random_prompts, write_report
+from benchmarks.engine_runs import decode_figure
+from benchmarks.roofline import ModelCost, measure_device, model_cost
+
+TOP1_PROMPTS, TOP1_LEN = 64, 256
+
+
+def share(cost: ModelCost, tp: int) -> ModelCost:
+    """What one of `tp` GPUs reads and computes per step (heads, MLP columns, vocab rows and KV heads
+    split; the norms' few replicated bytes are left out)."""
+    return dataclasses.replace(
+        cost,
+        step_weight_bytes=cost.step_weight_bytes / tp,
+        matmul_params=cost.matmul_params / tp,
+        kv_bytes_per_token=cost.kv_bytes_per_token / tp,
+        attn_flops_per_ctx_token=cost.attn_flops_per_ctx_token / tp,
+    )
+
+
+def top1(llm, prompts: list[list[int]], alone: bool) -> list[list[int]]:
+    """The greedy token at each prompt position (teacher forcing), the prompts in one batch or one by one."""
+    from engine import SamplingParams
+
+    sp = SamplingParams(max_tokens=0, prompt_logprobs=1, temperature=0.0)
+    groups = [[p] for p in prompts] if alone else [prompts]
+    results = [r for g in groups for r in llm.generate(g, [sp] * len(g), use_tqdm=False)]
+    return [[lp.top[0][0] for lp in r.prompt_logprobs if lp is not None] for r in results]
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    pairs = [(x, y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True)]
+    return sum(x == y for x, y in pairs) / len(pairs)
+
+
+def allreduce_us(table: list[dict], tp: int, kib: float, path: str) -> float | None:
+    """Microseconds of one all-reduce of `kib` KiB on `tp` GPUs, from the nearest measured size above."""
+    rows = sorted((r for r in table if r["world"] == tp), key=lambda r: r["kib"])
+    for r in rows:
+        if r["kib"] >= kib:
+            return r[f"{path}_graph_us"]
+    return None
+
+
+def step_allreduce(table: list[dict], tp: int, cfg: dict, batch: int) -> dict:
+    count = 2 * cfg["num_hidden_layers"] + 1
+    kib = batch * cfg["hidden_size"] * 2 / 1024
+    out = {"count": count, "message_kib": kib}
+    for path in ("nccl", "one_shot"):
+        us = allreduce_us(table, tp, kib, path)
+        out[f"{path}_ms"] = None if us is None else count * us / 1e3
+    return out
+
+
+def run_tp(args, tp: int, one_shot: bool) -> dict:
+    """One TP size's figures, in this process (a job of its own: the GPUs are whole again after it)."""
+    from engine import LLM
+
+    cfg = json.loads((Path(args.model) / "config.json").read_text())
+    prompts = random_prompts(random.Random(30), TOP1_PROMPTS, TOP1_LEN, cfg["vocab_size"])
+    device = json.loads(args.device_json)
+    t0 = time.perf_counter()
+    llm = LLM(
+        args.model,
+        max_num_batched_tokens=16384,
+        enable_prefix_caching=False,  # the top-1 passes must not reuse each other's KV
+        tensor_parallel_size=tp,
+        dtype="bfloat16",
+        max_num_seqs=64,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        disable_custom_all_reduce=not one_shot,
+    )
+    out = {"tp": tp, "one_shot": one_shot, "load_s": time.perf_counter() - t0}
+    mine = share(model_cost(args.model), tp)
+    out["a"] = decode_figure(llm, mine, device, 1, 128, 256, 3, seed=10)
+    out["b"] = decode_figure(llm, mine, device, 64, 1000, 128, 2, seed=20)
+    out["top1_batch"] = top1(llm, prompts, alone=False)
+    if tp == 1:
+        out["top1_alone"] = top1(llm, prompts, alone=True)
+    Path(args.job_out).write_text(json.dumps(out))  # before the workers stop: a hang there loses nothing
+    llm.engine.runner.shutdown()
+    return out
+
+
+def run_job(args, tp: int, one_shot: bool, device: dict) -> dict | None:
+    """run_tp in a child process; None (and its error on stderr) if it failed."""
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "job.json"
+        cmd = [
+            sys.executable,
+            "-m",
+            "benchmarks.tp_bench",
+            "--model",
+            args.model,
+            "--job",
+            f"{tp},{int(one_shot)}",
+            "--job-out",
+            str(result),
+            "--device-json",
+            json.dumps(device),
+            "--gpu-memory-utilization",
+            str(args.gpu_memory_utilization),
+        ]
+        try:
+            code = subprocess.run(cmd, timeout=args.job_timeout_s).returncode
+        except subprocess.TimeoutExpired:
+            code = "timeout"
+        if not result.exists():
+            print(f"tp={tp} one_shot={one_shot}: job failed ({code})", file=sys.stderr, flush=True)
+            return None
+        return json.loads(result.read_text())
+
+
+def summarize(runs: list[dict], table: list[dict], cfg: dict) -> list[dict]:
+    base = next(r for r in runs if r["tp"] == 1)
+    rows = []
+    for r in runs:
+        row = {
+            "tp": r["tp"],
+            "one_shot": r["one_shot"],
+            "top1_vs_tp1": agreement(r["top1_batch"], base["top1_batch"]),
+        }
+        for fig, batch in (("a", 1), ("b", 64)):
+            f = r[fig]
+            row[fig] = {
+                "tok_s": f["tok_s"],
+                "speedup": f["tok_s"] / base[fig]["tok_s"],
+                "pct_of_roofline": f["pct_of_roofline"],
+                "roofline_tok_s": f["roofline"]["tok_s"],
+                "step_ms_p50": f["step_ms_p50"],
+                "allreduce": step_allreduce(table, r["tp"], cfg, batch) if r["tp"] > 1 else None,
+            }
+        rows.append(row)
+    return rows
+
+
+def render(report: dict) -> str:
+    env = report["env"]
+    lines = [
+        f"# Tensor parallelism: {report['model_name']}, decode against TP=1 in the same run",
+        "",
+        f"{env['hardware'].get('gpu_count')} x {env['hardware'].get('gpu')}, torch "
+        f"{env['versions']['torch']}; copy bandwidth {report['device']['copy_bw_GBps']:.0f} GB/s",
+        f"Command: `{report['command']}`",
+        "",
+        f"Teacher-forced top-1, TP=1 one prompt at a time against TP=1 in one batch: "
+        f"{100 * report['top1_tp1_alone_vs_batch']:.2f}%",
+        "",
+        "| TP | all-reduce | (a) tok/s | x TP=1 | % roofline | step ms "
+        "| all-reduce ms/step (NCCL / one-shot) | (b) tok/s | x TP=1 | % roofline "
+        "| all-reduce ms/step | top-1 vs TP=1 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in report["rows"]:
+        cells = [str(r["tp"]), "-" if r["tp"] == 1 else "one-shot" if r["one_shot"] else "NCCL"]
+        for fig in ("a", "b"):
+            f, ar = r[fig], r[fig]["allreduce"]
+            ar_text = "-" if ar is None else f"{_ms(ar['nccl_ms'])} / {_ms(ar['one_shot_ms'])}"
+            cells += [f"{f['tok_s']:,.1f}", f"{f['speedup']:.2f}", f"{f['pct_of_roofline']:.1f}"]
+            cells += [f"{f['step_ms_p50']:.2f}"] if fig == "a" else []
+            cells += [ar_text]
+        cells.append(f"{100 * r['top1_vs_tp1']:.2f}%")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--tp", default="1,2")
+    ap.add_argument("--allreduce", default="benchmarks/reports/gpu/tp_allreduce.json")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    ap.add_argument("--nccl-only", action="store_true", help="TP > 1 once, NCCL only (no one-shot run)")
+    ap.add_argument("--job-timeout-s", type=float, default=300)
+    ap.add_argument("--out", default="benchmarks/reports/gpu/tp_bench")
+    ap.add_argument("--job", help=argparse.SUPPRESS)  # internal: "TP,ONE_SHOT" run in this process
+    ap.add_argument("--job-out", help=argparse.SUPPRESS)
+    ap.add_argument("--device-json", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.job:
+        tp, one_shot = (int(v) for v in args.job.split(","))
+        run_tp(args, tp, bool(one_shot))
+        return
+    cfg = json.loads((Path(args.model) / "config.json").read_text())
+    device = measure_device()
+    runs = []
+    for tp in (int(t) for t in args.tp.split(",")):
+        for one_shot in [True] if tp == 1 else [False] if args.nccl_only else [True, False]:
+            if (run := run_job(args, tp, one_shot, device)) is not None:
+                runs.append(run)
+                a, b = run["a"]["tok_s"], run["b"]["tok_s"]
+                print(f"tp={tp} one_shot={one_shot}: (a) {a:.1f} (b) {b:.1f} tok/s", flush=True)
+    path = Path(args.allreduce)
+    table = json.loads(path.read_text())["rows"] if path.exists() else []
+    base = next(r for r in runs if r["tp"] == 1)
+    report = {
+        "env": environment(),
+        "device": device,
+        "model_name": Path(args.model).name,
+        "command": "python -m benchmarks.tp_bench " + " ".join(argv or sys.argv[1:]),
+        "top1_tp1_alone_vs_batch": agreement(base["top1_alone"], base["top1_batch"]),
+        "rows": summarize(runs, table, cfg),
+        "runs": [{k: v for k, v in r.items() if not k.startswith("top1")} for r in runs],
+    }
+    write_report(args.out, report, render(report))
+
+
+if __name__ == "__main__":
+    main()

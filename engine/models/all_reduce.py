@@ -1,0 +1,77 @@
+"""The all-reduce of a tensor-parallel forward: row-parallel projections and the vocab-parallel embedding.
+
+NCCL serves every message. On CUDA, a message of at most ONE_SHOT_MAX_BYTES in bf16 or fp32 takes
+PyTorch's one-shot all-reduce over symmetric memory instead: one kernel copies this rank's part into
+its own buffer, meets the peers at a barrier, reads every peer's buffer over NVLink peer-to-peer, sums
+them and meets the peers again. A decode step's messages are a few KiB, where NCCL's ring protocol
+costs more in latency than the transfer itself (benchmarks/tp_allreduce.py measures both per size and
+set the crossover).
+
+The second barrier is what lets one buffer serve every call: a rank overwrites its buffer only after
+every peer has finished reading it. The kernel reads peers' memory directly; it never uses NVLink
+multicast (no multimem operation is called, and the group's processes run with multicast switched
+off, see engine/runner/tp_group.NO_MULTICAST).
+
+`install` runs once per process, right after the group forms, on every rank in the same order: the
+symmetric buffer's rendezvous is itself a collective.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+# The largest message (bytes) the one-shot kernel takes; NCCL above. Where one-shot stops paying off on
+# H100s over NVLink (benchmarks/tp_allreduce.py; docs/tensor_parallel.md has the table).
+ONE_SHOT_MAX_BYTES = 512 * 1024
+ONE_SHOT_DTYPES = (torch.bfloat16, torch.float32)  # what PyTorch's kernel dispatches on
+
+
+class OneShot:
+    """A symmetric buffer of `max_bytes` on this rank's GPU, and the one-shot all-reduce through it."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, max_bytes: int):
+        import torch.distributed._symmetric_memory as symm_mem
+
+        group = dist.group.WORLD
+        self.group_name = group.group_name
+        if hasattr(symm_mem, "enable_symm_mem_for_group"):
+            symm_mem.enable_symm_mem_for_group(self.group_name)
+        self.dtype = dtype
+        self.buffer = symm_mem.empty(max_bytes // dtype.itemsize, dtype=dtype, device=device)
+        symm_mem.rendezvous(self.buffer, group)
+
+    def fits(self, x: torch.Tensor) -> bool:
+        return x.dtype == self.dtype and x.numel() <= self.buffer.numel() and x.is_contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        # the buffer's first numel elements (storage offset 0): the kernel copies exactly that many
+        shared = self.buffer[: x.numel()].view(x.shape)
+        out = torch.empty_like(x)
+        return torch.ops.symm_mem.one_shot_all_reduce_copy_out(shared, x, "sum", self.group_name, out)
+
+
+_one_shot: OneShot | None = None
+
+
+def install(device: torch.device, dtype: torch.dtype, enabled: bool) -> None:
+    """Set up this process's small-message path (a collective: every rank calls it, in step)."""
+    global _one_shot
+    _one_shot = None
+    if not enabled or device.type != "cuda" or dtype not in ONE_SHOT_DTYPES:
+        return
+    _one_shot = OneShot(device, dtype, ONE_SHOT_MAX_BYTES)
+    log.info("one-shot all-reduce for messages up to %d KiB", ONE_SHOT_MAX_BYTES // 1024)
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """The sum of `x` over the ranks: a new tensor on the one-shot path, `x` itself (reduced in place)
+    on NCCL's. Callers use the returned tensor."""
+    if _one_shot is not None and _one_shot.fits(x):
+        return _one_shot(x)
+    dist.all_reduce(x)
+    return x
