@@ -19,7 +19,7 @@ from app.ingress import Ingress
 from app.lora_modules import parse_lora_modules
 from app.security import DEFAULT_MAX_BODY_BYTES
 from app.tool_calls import resolve_parser
-from app.tp_placement import engine_resources
+from app.tp_placement import check_cluster, engine_resources, start_replicas
 from engine.config import EngineConfig
 
 # Serve-level slots on the engine deployment beyond our own admission limit, so that a stream over the
@@ -176,6 +176,7 @@ def _bind_engine(args: AppArgs, model: str, name: str, routing: dict[str, Any], 
     """The engine deployment: its replicas' resources (a placement group of `tp` ranks where tp > 1),
     scaling and request router, and its arguments."""
     resources = engine_resources(args.num_gpus, args.engine_num_cpus, tp, _cuda_available)
+    check_cluster(resources, tp, start_replicas(args.num_replicas, args.autoscaling_config))
     scaling: dict[str, Any] = (
         {"autoscaling_config": args.autoscaling_config}
         if args.autoscaling_config

@@ -25,7 +25,7 @@ import psutil
 import pytest
 
 from app.builder import AppArgs, build_app
-from app.tp_placement import check_num_gpus, core_env, engine_resources
+from app.tp_placement import check_cluster, check_num_gpus, core_env, engine_resources
 from engine import LLM, SamplingParams
 from tests.serving_fixtures import Server, process_alive, start_server, stop_server, wait_until
 
@@ -153,6 +153,20 @@ def test_gpu_bundles_give_the_core_each_ranks_gpu_in_rank_order(server):
         ray.kill(replica)
         ray.kill(hog)
         remove_placement_group(group)
+
+
+def test_a_placement_the_live_cluster_cannot_hold_is_refused(server):
+    """check_cluster against this Ray (one node of 3 logical GPUs, none held once the test above let go):
+    TP=4 can never be placed, and two TP=2 replicas not now; one TP=2 replica can."""
+    import ray
+
+    wait_until(lambda: ray.available_resources().get("GPU") == 3, 15, "the GPU holders to go")
+    tp2, tp4 = (engine_resources(None, 1.0, tp, lambda: True) for tp in (2, 4))
+    check_cluster(tp2, 2, 1)
+    with pytest.raises(ValueError, match="tensor_parallel_size: 4 needs 4 GPUs on one node.*largest .* 3"):
+        check_cluster(tp4, 4, 1)
+    with pytest.raises(ValueError, match=r"num_replicas: 2 engine replicas .* room for 1 \(free GPUs"):
+        check_cluster(tp2, 2, 2)
 
 
 def test_serve_shutdown_leaves_no_worker(server):

@@ -14,6 +14,7 @@ without converting their dtype; `quantization="fp8"` quantises a float checkpoin
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,6 +31,7 @@ from engine.models.layers import MergedLinear
 from engine.models.parallel import Shard, build_parallel, check_tp, loaded_rows, read_slice
 from engine.models.quant_config import resolve_quant_config
 from engine.models.quant_linear import QuantLinear, QuantLinearFactory, QuantMergedLinear
+from engine.models.quant_parallel import QuantParallelLinearFactory
 from engine.models.registry import config_from_dir, get_model_class
 
 SINGLE_FILE = "model.safetensors"
@@ -66,7 +68,8 @@ def load_model(
         check_tp(cfg, shard.size, str(path), quantization)
     with torch.device(device), _default_dtype(dtype):
         if shard is not None and shard.size > 1:
-            model = build_parallel(cls, cfg, shard)
+            linears = functools.partial(QuantParallelLinearFactory, quant) if quant else None
+            model = build_parallel(cls, cfg, shard, linears)
         else:
             model = cls(cfg, QuantLinearFactory(quant) if quant else None)
     model.eval().requires_grad_(False)

@@ -12,13 +12,15 @@ KV heads are split when there are at least P of them (P must divide them), else 
 P / Hkv ranks (Hkv must divide P): rank r then reads KV head r // (P / Hkv), the one its query heads use.
 
 Every parameter says which slice of its checkpoint tensor it holds (`tp_slice`), so the loader reads
-only that slice from the safetensors file (`read_slice`), never the whole tensor.
+only that slice from the safetensors file (`read_slice`), never the whole tensor. Quantised
+projections (FP8 / INT8, with their scales) have their own parallel forms: engine/models/quant_parallel.py.
 All ranks see the same inputs and, after each all-reduce, the same residual stream.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +29,7 @@ import torch.nn.functional as F
 from engine.models.all_reduce import all_reduce
 from engine.models.config import ModelConfig
 from engine.models.layers import Linear, LinearFactory, MergedLinear, _empty_param
+from engine.models.quant_shard import check_quant_tp
 from kernels import ops
 
 ROW_PARALLEL = ("o_proj", "down_proj")  # LinearFactory.linear names whose input dimension is split
@@ -52,12 +55,7 @@ class Shard:
 
 def check_tp(cfg: ModelConfig, size: int, where: str, quantization: str | None = None) -> None:
     """Raise ValueError naming tensor_parallel_size and the fix when `size` cannot split this model
-    (NotImplementedError for quantized weights, which do not shard yet)."""
-    if size > 1 and (quantization or cfg.raw.get("quantization_config")):
-        raise NotImplementedError(
-            f"tensor_parallel_size {size} with quantization (an FP8/INT8 checkpoint or quantization='fp8', "
-            f"{where}) is not supported yet: use tensor_parallel_size=1 or a float checkpoint"
-        )
+    (its heads and MLP, and a block-FP8 checkpoint's scale blocks: engine/models/quant_shard.py)."""
     fits = [p for p in range(1, cfg.num_heads + 1) if _fits(cfg, p)]
     problem = None
     if cfg.num_heads % size:
@@ -68,6 +66,7 @@ def check_tp(cfg: ModelConfig, size: int, where: str, quantization: str | None =
         problem = f"does not divide the MLP width {cfg.intermediate_size}"
     if problem:
         raise ValueError(f"tensor_parallel_size: {size} {problem} of {where}; use one of {fits}")
+    check_quant_tp(cfg, size, where, quantization, fits)
 
 
 def _fits(cfg: ModelConfig, p: int) -> bool:
@@ -134,12 +133,15 @@ class ParallelLinearFactory(LinearFactory):
     def merged(
         self, names: list[str], in_features: int, output_sizes: list[int], bias: bool = False
     ) -> MergedLinear:
+        return ColumnParallelMerged(in_features, output_sizes, bias, self.starts(names, output_sizes))
+
+    def starts(self, names: list[str], output_sizes: list[int]) -> list[int]:
+        """Per part of a merged projection: the first checkpoint row this rank holds."""
         rank = self.shard.rank
-        starts = [
+        return [
             (rank // self.kv_replicas if name in KV_PROJECTIONS else rank) * size
             for name, size in zip(names, output_sizes, strict=True)
         ]
-        return ColumnParallelMerged(in_features, output_sizes, bias, starts)
 
 
 class VocabParallelEmbedding(torch.nn.Module):
@@ -175,10 +177,13 @@ class VocabParallelHead(Linear):
         return (0, self.start, self.real_rows)
 
 
-def build_parallel(cls, cfg: ModelConfig, shard: Shard) -> torch.nn.Module:
-    """This rank's model of family `cls` (under the caller's device and dtype defaults)."""
+def build_parallel(
+    cls, cfg: ModelConfig, shard: Shard, linears: Callable[[Shard, int], LinearFactory] | None = None
+) -> torch.nn.Module:
+    """This rank's model of family `cls` (under the caller's device and dtype defaults). linears(shard,
+    kv_replicas): the projections' factory (a quantised checkpoint's: engine/models/quant_parallel.py)."""
     kv_replicas = max(1, shard.size // cfg.num_kv_heads)
-    model = cls(local_config(cfg, shard), ParallelLinearFactory(shard, kv_replicas))
+    model = cls(local_config(cfg, shard), (linears or ParallelLinearFactory)(shard, kv_replicas))
     start, rows, real = shard.vocab_rows(cfg.vocab_size)
     model.model.embed_tokens = VocabParallelEmbedding(rows, cfg.hidden_size, start, real)
     if model.lm_head is not None:

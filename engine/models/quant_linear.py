@@ -127,13 +127,17 @@ class QuantLinearFactory(LinearFactory):
     def merged(
         self, names: list[str], in_features: int, output_sizes: list[int], bias: bool = False
     ) -> nn.Module:
-        full = [self.full_name(n) for n in names]
-        quantized = [self.quant.quantizes(n) for n in full]
-        if any(quantized) != all(quantized):
-            raise ValueError(
-                f"{self.quant.source}: quantization_config.ignore: {', '.join(full)} are fused into one "
-                "matmul here, so they must be quantised alike, but only some of them are ignored"
-            )
-        if not all(quantized):
+        if not quantizes_all(self.quant, [self.full_name(n) for n in names]):
             return super().merged(names, in_features, output_sizes, bias)
         return QuantMergedLinear(in_features, output_sizes, bias, self.quant.linear)
+
+
+def quantizes_all(quant: QuantConfig, full: list[str]) -> bool:
+    """Whether `quant` quantises the projections `full` that one merged module fuses (all or none)."""
+    quantized = [quant.quantizes(n) for n in full]
+    if any(quantized) != all(quantized):
+        raise ValueError(
+            f"{quant.source}: quantization_config.ignore: {', '.join(full)} are fused into one "
+            "matmul here, so they must be quantised alike, but only some of them are ignored"
+        )
+    return all(quantized)
