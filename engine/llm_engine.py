@@ -36,8 +36,9 @@ from engine.sampling_params import SamplingParams
 from engine.sched import admission
 from engine.sched.admission import Prompt
 from engine.sched.block_manager import BlockManager
+from engine.sched.output import SchedulerOutput
 from engine.sched.request import Request
-from engine.sched.scheduler import Scheduler, SchedulerOutput
+from engine.sched.scheduler import Scheduler
 from engine.spec.speculator import Speculator
 from engine.structured import compiler as structured
 from engine.tokenizer import Tokenizer

@@ -17,8 +17,9 @@ from hypothesis import strategies as st
 from engine.config import SchedulerConfig
 from engine.sampling_params import SamplingParams
 from engine.sched.block_manager import BlockManager
+from engine.sched.output import SchedulerOutput
 from engine.sched.request import Request, SeqStatus, Sequence
-from engine.sched.scheduler import Scheduler, SchedulerOutput
+from engine.sched.scheduler import Scheduler
 
 pytestmark = pytest.mark.engine
 

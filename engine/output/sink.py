@@ -18,8 +18,8 @@ from engine.core.messages import Records
 from engine.output.state import EngineState
 from engine.outputs import RequestOutput
 from engine.sampling.sampler import PendingSample, SampleResult
+from engine.sched.output import SchedulerOutput
 from engine.sched.request import Request
-from engine.sched.scheduler import SchedulerOutput
 
 log = logging.getLogger("engine")
 

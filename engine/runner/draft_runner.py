@@ -30,7 +30,7 @@ from engine.runner.cuda_graph import DecodeGraphs, forward_batch
 from engine.runner.kv_cache import KVCacheSpec, allocate_kv_cache
 from engine.runner.step_inputs import StepBatch, build_batch, slots
 from engine.sampling.rows import RowTensors, SamplingRow
-from engine.sched.scheduler import ScheduledChunk, SchedulerOutput
+from engine.sched.output import ScheduledChunk, SchedulerOutput
 from engine.spec.speculator import SpecState
 from engine.spec_config import SpeculativeConfig, check_draft_vocab
 from kernels import ops

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from engine.sampling.sampler import SampleResult
-from engine.sched.scheduler import SchedulerOutput
+from engine.sched.output import SchedulerOutput
 
 Fail = Callable[[SchedulerOutput, Exception], None]  # fails the requests of a step (TokenSink.fail_chunks)
 

@@ -40,7 +40,7 @@ from engine.runner.step_inputs import StepBatch, build_batch, prompt_logprob_row
 from engine.runner.tp_group import TPGroup
 from engine.runner.tp_model import TPModel, capture_on_all_ranks
 from engine.sampling.sampler import PendingSample, Sampler
-from engine.sched.scheduler import SchedulerOutput
+from engine.sched.output import SchedulerOutput
 from engine.spec.sampler import PendingSpec, SpecSampler
 from engine.structured.remote import ProcessBitmaskFiller
 from engine.structured.state import BitmaskFiller

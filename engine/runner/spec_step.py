@@ -23,7 +23,7 @@ from engine.runner.plain_draw import PlainDraw
 from engine.runner.step_inputs import StepBatch
 from engine.sampling.rows import SamplingRow
 from engine.sampling.sampler import PromptScores
-from engine.sched.scheduler import SchedulerOutput
+from engine.sched.output import SchedulerOutput
 from engine.spec.sampler import PendingSpec, SpecRows, SpecSampler
 
 

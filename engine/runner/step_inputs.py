@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from engine.models.attention_context import AttentionMetadata
-from engine.sched.scheduler import SchedulerOutput
+from engine.sched.output import SchedulerOutput
 
 
 @dataclass

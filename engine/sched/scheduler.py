@@ -23,55 +23,12 @@ including the one reserved ahead, go back with its table.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 
 from engine.config import SchedulerConfig
+from engine.sched import ahead
 from engine.sched.block_manager import BlockManager
-from engine.sched.host_tier import TierTransfers
+from engine.sched.output import ScheduledChunk, SchedulerOutput
 from engine.sched.request import Request, SeqStatus, Sequence
-
-
-@dataclass(slots=True)
-class ScheduledChunk:
-    seq: Sequence
-    start: int  # first position computed this step (== seq.num_computed when scheduled)
-    num_tokens: int
-    samples: list[Sequence] = field(default_factory=list)  # sequences that sample from the last position
-    # speculative decoding: the chunk's last num_draft tokens are proposals, not yet in seq.token_ids;
-    # verification accepts num_accepted of them (set by the engine before update_computed)
-    num_draft: int = 0
-    num_accepted: int = 0
-
-
-@dataclass
-class SchedulerOutput:
-    chunks: list[ScheduledChunk]
-    block_copies: list[tuple[int, int]]  # (src, dst) KV block copies to perform before the forward
-    num_preempted: int = 0
-    # a step scheduled ahead: row i's input token is the one sampled by row prev_rows[i] of the step
-    # before, which the host has not seen yet (see schedule_ahead)
-    prev_rows: list[int] | None = None
-    # indexes into `chunks` of prompt chunks whose logits at every position are wanted (a request with
-    # SamplingParams.prompt_logprobs whose prompt has not been scored yet); empty in almost every step
-    prompt_logprob_chunks: list[int] = field(default_factory=list)
-    # a step scheduled ahead with a row whose draw reads host state the previous step's tokens change
-    # (a grammar matcher, penalties' token history): its draw waits for them (DeferredSample)
-    draw_late: bool = False
-    # copies between the GPU pool and the host KV tier, done before this step's forward writes
-    kv_transfers: TierTransfers | None = None
-    # batches of such copies, in flight, into blocks of sequences this step admits: its compute waits
-    kv_waits: set[int] = field(default_factory=set)
-    # multi-LoRA: the adapters (LoRARequest.key) running sequences hold, whose GPU slots the runner
-    # keeps; None without LoRA
-    active_loras: set | None = None
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.chunks
 
 
 class Scheduler:
@@ -279,10 +236,10 @@ class Scheduler:
         """
         if not self.config.async_scheduling:
             return None
-        plan = self._ahead_plan(prev)
+        plan = ahead.plan(self.running, prev, self.max_model_len)
         if plan is None or (decodes_only and not self._decodes_alone(prev, plan)):
             return None
-        plan = self._within_budget(plan)
+        plan = ahead.within_budget(plan, self.config.max_num_batched_tokens)
         if sum(self.bm.append_cost(seq.table, start, n) for seq, start, n, _ in plan) > self.bm.num_free:
             return None
         out = SchedulerOutput(chunks=[], block_copies=[], prev_rows=[])
@@ -303,55 +260,10 @@ class Scheduler:
         out.kv_transfers = self.bm.take_transfers()
         return out
 
-    def _ahead_plan(self, prev: SchedulerOutput) -> list[tuple[Sequence, int, int, int | None]] | None:
-        """(sequence, start, tokens, sampling row of `prev` fed back or None) for every running
-        sequence as it will stand once `prev` is in: fed-back decodes in row order, decodes of host
-        tokens, prompt chunks. None where schedule_ahead must not run."""
-        in_prev: dict[int, tuple[ScheduledChunk, int | None]] = {}
-        row = 0
-        for chunk in prev.chunks:
-            if chunk.num_draft or len(chunk.samples) > 1:
-                return None  # verification decides the next input; a fork's children start sampling
-            in_prev[chunk.seq.seq_id] = (chunk, row if chunk.samples else None)
-            row += len(chunk.samples)
-        fed, decodes, prompts = [], [], []
-        for seq in self.running:
-            entry = in_prev.get(seq.seq_id)
-            if entry is None:  # not in flight: the host holds its state
-                entry = (seq, seq.num_computed, seq.num_pending, None)
-                (decodes if seq.prompt_done else prompts).append(entry)
-                continue
-            chunk, row = entry
-            end = chunk.start + chunk.num_tokens
-            if row is None:  # mid-prompt: the rest of its tokens are on the host
-                prompts.append((seq, end, seq.num_tokens - end, None))
-                continue
-            params = seq.request.params
-            if params.needs_host_tokens:
-                return None
-            # after `prev` the sequence holds end + 1 tokens, end + 1 - num_prompt of them output
-            if end + 1 - seq.num_prompt < params.max_tokens and end + 1 < self.max_model_len:
-                fed.append((seq, end, 1, row))
-        fed.sort(key=lambda entry: entry[3])
-        return fed + decodes + prompts
-
     def _decodes_alone(self, prev: SchedulerOutput, plan: list) -> bool:
         """`prev` only decodes, every planned chunk is fed back, and nobody waits for a free slot."""
         room = len(self.running) + self._reserved_slots() < self.config.max_num_seqs
-        decodes = all(c.num_tokens == 1 and c.samples for c in prev.chunks)
-        return decodes and all(row is not None for *_, row in plan) and not (self.waiting and room)
-
-    def _within_budget(self, plan: list) -> list:
-        """The plan's chunks cut to the step's token budget, in order."""
-        budget, kept = self.config.max_num_batched_tokens, []
-        for seq, start, n, row in plan:
-            if budget == 0:
-                break
-            n = min(n, budget)
-            if n:
-                kept.append((seq, start, n, row))
-                budget -= n
-        return kept
+        return ahead.only_fed_back_decodes(prev, plan) and not (self.waiting and room)
 
     # ------------------------------------------------------------------ after the forward pass
     def update_computed(self, out: SchedulerOutput) -> None:
