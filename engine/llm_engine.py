@@ -20,7 +20,7 @@ from typing import TypeVar
 from engine.config import EngineConfig
 from engine.core.faults import FaultInjector
 from engine.core.messages import Record, Records
-from engine.errors import InvalidRequestError, QueueFullError
+from engine.errors import InvalidRequestError, LoRAError, QueueFullError
 from engine.lora.adapter import ModuleShapes
 from engine.lora.admission import LoRAAdmission
 from engine.lora.request import LoRARequest
@@ -44,6 +44,8 @@ from engine.structured import compiler as structured
 from engine.tokenizer import Tokenizer
 
 T = TypeVar("T", list[RequestOutput], Records)  # what a step hands out
+# waiting sequences whose adapters are read ahead of a schedule (LLMEngine._stage_adapters)
+STAGE_SCAN = 64
 
 
 class LLMEngine:
@@ -241,7 +243,29 @@ class LLMEngine:
     def _schedule_and_launch(self) -> InFlightStep:
         if self.speculator is not None:
             self.speculator.prepare(self.scheduler.running)
+        self._stage_adapters()
         return self._launch(self.scheduler.schedule())
+
+    def _stage_adapters(self) -> None:
+        """Read the adapters the next admissions may need into the host cache before scheduling, so an
+        adapter whose files broke after its requests were accepted fails those requests here, never the
+        step that would copy it into a slot (and every other request in that step). At most max_loras
+        adapters, from the first STAGE_SCAN waiting sequences: a step admits no more than that."""
+        lora = self.runner.lora
+        if lora is None or not self.scheduler.waiting:
+            return
+        staged: set = set()
+        for seq in list(itertools.islice(self.scheduler.waiting, STAGE_SCAN)):
+            request = seq.request.lora_request
+            if request is None or request.key in staged:
+                continue
+            if len(staged) == self.config.max_loras:
+                return
+            staged.add(request.key)
+            try:
+                lora.host.get(request)
+            except LoRAError as exc:
+                self.sink.fail(seq.request, str(exc), exc)
 
     def _schedule_ahead(self, prev: SchedulerOutput) -> SchedulerOutput | None:
         """The step after `prev`, or None. A step scheduled ahead cannot speculate (its inputs are not on
@@ -251,6 +275,7 @@ class LLMEngine:
         missed would leave its KV stale."""
         if self.speculator is not None and not self.speculator.idle(self.scheduler.running):
             return None
+        self._stage_adapters()
         return self.scheduler.schedule_ahead(prev, decodes_only=self.speculator is not None)
 
     def _launch_next(self, nxt: SchedulerOutput | None, prev: Draw | None) -> InFlightStep | None:

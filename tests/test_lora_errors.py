@@ -183,3 +183,31 @@ def test_lora_request_fields_are_validated():
         with pytest.raises(InvalidRequestError) as info:
             LoRARequest(*args)
         assert info.value.field == field
+
+
+def test_an_adapter_broken_after_acceptance_fails_only_its_own_requests(tiny_model_dir, good, tmp_path):
+    """Its files are checked when the request is added and read when it is about to run: read then, a
+    broken file fails that adapter's requests alone, not the step beside them."""
+    llm = LLM(
+        str(tiny_model_dir), device="cpu", dtype="float32", enable_lora=True, max_lora_rank=8, max_loras=2
+    )
+    doomed_dir = shutil.copytree(good, tmp_path / "doomed")
+    other = LoRARequest("other", 8, str(make_lora(tiny_model_dir, tmp_path / "other", rank=8, seed=5)))
+    doomed = LoRARequest("doomed", 7, str(doomed_dir))
+    alone = {name: llm.generate(["hello there"], GREEDY, lora_request=r)[0].outputs[0].token_ids
+             for name, r in (("other", other), ("base", None))}  # fmt: skip
+    engine = llm.engine
+    ids = {name: engine.add_request("hello there", GREEDY, lora_request=r)
+           for name, r in (("doomed", doomed), ("other", other), ("base", None))}  # fmt: skip
+    (doomed_dir / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
+    tokens: dict[str, list[int]] = {rid: [] for rid in ids.values()}
+    errors: dict[str, str | None] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id] += out.outputs[0].token_ids
+            if out.finished:
+                errors[out.request_id] = out.outputs[0].error
+    assert "adapter_model.safetensors" in (errors[ids["doomed"]] or "")
+    for name in ("other", "base"):
+        assert errors[ids[name]] is None and tokens[ids[name]] == alone[name]
+    assert engine.audit() == []
