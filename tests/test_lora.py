@@ -256,3 +256,27 @@ def test_slots_evict_the_least_recently_used_adapter_no_running_request_holds():
     cache.get(LoRARequest("b", 1, "/p"))
     cache.get(LoRARequest("a", 1, "/p"))
     assert reads == ["a", "b", "c", "a"] and cache.names() == ["b", "a"]
+
+
+def test_structured_output_with_an_adapter_equals_peft_merged_checkpoint(
+    llm, adapters, tiny_model_dir, tmp_path
+):
+    """Rows with an adapter under a grammar: the engine with the adapter gives the tokens the engine gives
+    on the checkpoint peft merged the adapter into, grammar and greedy choice alike."""
+    import re
+    import shutil
+
+    from engine.sampling_params import StructuredOutput
+
+    merged = tmp_path / "merged"
+    merged_hf(tiny_model_dir, adapters[0].lora_path).save_pretrained(merged)
+    for f in tiny_model_dir.iterdir():  # the tokenizer and its template
+        if f.is_file() and not (merged / f.name).exists():
+            shutil.copy(f, merged / f.name)
+    pattern = "[0-9]{3}-[0-9]{4}"
+    sp = SamplingParams(max_tokens=16, temperature=0.0, structured=StructuredOutput("regex", pattern))
+    want = LLM(str(merged), **ENGINE).generate([PROMPTS[1]], sp)[0].outputs[0]
+    got = llm.generate([PROMPTS[1]], sp, lora_request=adapters[0])[0].outputs[0]
+    base = llm.generate([PROMPTS[1]], sp)[0].outputs[0]
+    assert re.fullmatch(pattern, got.text) and got.token_ids == want.token_ids
+    assert base.token_ids != got.token_ids  # the adapter matters under the grammar too
