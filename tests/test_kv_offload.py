@@ -395,3 +395,37 @@ def test_a_sequence_runs_once_its_copies_are_sent_in_a_step_that_waits_for_them(
     assert bm.audit(sched.live_tables()) == []
     bm.complete_transfers([first.kv_transfers.batch])  # now published on the GPU
     assert len(bm.cached) == 5 and bm.audit(sched.live_tables()) == []
+
+
+def test_adapters_keep_their_own_kv_through_the_host_tier(tiny_model_dir, tmp_path):
+    """Multi-LoRA with the tier: sessions with the same history under two adapters and the base model
+    never take each other's blocks from either tier (the hashes are seeded by the adapter), so each
+    equals its run on an engine that caches nothing."""
+    from engine.lora.request import LoRARequest
+    from scripts.make_lora import make_lora
+
+    loras = [None] + [
+        LoRARequest(f"a{i}", i + 1, str(make_lora(tiny_model_dir, tmp_path / f"a{i}", rank=4, seed=i)))
+        for i in range(2)
+    ]
+    lora_options = dict(enable_lora=True, max_loras=2, max_lora_rank=4)
+
+    def sessions(engine: LLMEngine) -> dict[str, list[int]]:
+        history = [[(11 * k) % 1500 + 20 for k in range(10)] for _ in loras]  # one history, three models
+        tokens: dict[str, list[int]] = {}
+        for turn in range(4):
+            for s, lora in enumerate(loras):
+                sp = SamplingParams(max_tokens=6, temperature=0)
+                engine.add_request(history[s], sp, f"t{turn}s{s}", lora_request=lora)
+            drain(engine, tokens)
+            for s in range(len(loras)):
+                history[s] += tokens[f"t{turn}s{s}"] + [100 + turn] * 5
+        return tokens
+
+    # the reference shares nothing: no prefix cache, no tier
+    plain = sessions(make_engine(tiny_model_dir, host_slots=0, enable_prefix_caching=False, **lora_options))
+    engine = make_engine(tiny_model_dir, host_slots=256, **lora_options)
+    assert sessions(engine) == plain
+    assert engine.get_stats()["kv_reload_blocks"] > 0
+    assert len({tuple(plain[f"t0s{s}"]) for s in range(len(loras))}) == len(loras)  # the adapters matter
+    assert_idle(engine)
