@@ -273,3 +273,31 @@ def test_more_ranks_than_visible_gpus_is_an_error_naming_the_fix():
         check_devices(torch.device("cuda:1"), 2, 2)
     check_devices(torch.device("cuda"), 2, 2)
     check_devices(torch.device("cpu"), 8, 0)  # CPU ranks need no GPU
+
+
+def test_speculation_structured_output_sampling_and_an_fp8_kv_cache_match_tp1(tiny_model_dir):
+    """The engine's other paths at TP=2 on the options that take them: n-gram speculation (proposals
+    from rank 0's host state, verified on every rank), a regex grammar, seeded sampling, and K/V
+    stored in fp8; each request as at TP=1."""
+    from engine.sampling_params import StructuredOutput
+
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
+    every = list(range(8, 2048))  # every token the model may draw appears before: a proposal each step
+    prompts = [every, list(range(300, 340)), [42] * 9]
+    params = [
+        GREEDY,
+        SamplingParams(
+            temperature=0.0, max_tokens=10, structured=StructuredOutput("regex", "[0-9]{3}-[0-9]{2}")
+        ),
+        SamplingParams(temperature=0.9, top_p=0.9, seed=11, max_tokens=8),
+    ]
+    out = {}
+    for tp in (1, 2):
+        llm = start(tiny_model_dir, tp, speculative_config=spec, kv_cache_dtype="fp8", grammar_process=False)
+        try:
+            out[tp] = [r.outputs[0].token_ids for r in llm.generate(prompts, params)]
+            stats = llm.engine.get_stats()
+        finally:
+            llm.engine.runner.shutdown()
+        assert stats["spec_draft_tokens"] > 0  # speculation ran at both sizes
+    assert out[2] == out[1]
