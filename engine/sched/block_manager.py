@@ -245,6 +245,9 @@ class BlockManager:
 
     def append_cost(self, table: BlockTable, start: int, num_new: int) -> int:
         """Free blocks prepare_append(table, start, num_new) takes: new ones and copies of shared ones."""
+        i = start // self.block_size
+        if num_new == 1 and i < len(table.blocks):  # the decode fast path: at most a copy of its block
+            return 0 if self.ref_count[table.blocks[i]] == 1 else 1
         need = self.blocks_needed(table, start + num_new)
         return need + len(self._shared_in_range(table, start, start + num_new))
 
