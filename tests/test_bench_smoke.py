@@ -159,3 +159,23 @@ def test_step_phases_names_only_methods_that_exist(monkeypatch):
         step_phases.checked_phases()
     with pytest.raises(AttributeError, match=r"PhaseTimer\._gone"):
         step_phases.main(["--model", "tiny", "--out", "unused"])
+
+
+def test_sched_host_times_steps_on_this_tree_and_a_baseline(tmp_path):
+    """benchmarks/sched_host.py end to end on two copies of this tree's engine: a row per size."""
+    import shutil
+
+    from benchmarks import sched_host
+    from benchmarks.baseline_tree import ROOT
+
+    base = tmp_path / "base"
+    for part in ("engine", "kernels", "benchmarks"):
+        shutil.copytree(ROOT / part, base / part, ignore=shutil.ignore_patterns("__pycache__", "reports"))
+    out = tmp_path / "sched"
+    sched_host.main(
+        ["--seqs", "4,8", "--steps", "5", "--reps", "1", "--baseline-tree", str(base), "--out", str(out)]
+    )
+    report = json.loads(out.with_suffix(".json").read_text())
+    assert set(report["us"]) == {"old", "new"} and all(
+        v > 0 for t in report["us"].values() for v in t.values()
+    )
