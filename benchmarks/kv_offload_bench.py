@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import subprocess
 import sys
 import time
@@ -32,10 +31,9 @@ from benchmarks.serve_stack import (
     PY,
     ROOT,
     Server,
-    child_env,
     ensure_checkpoint,
-    host_facts,
     log,
+    prepare_host,
     serve_config,
 )
 
@@ -227,10 +225,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: every `finally` stops its server
-    env = child_env()
-    facts = host_facts(env)
-    device = "cuda" if (facts.get("hardware") or {}).get("gpu") else "cpu"
+    env, facts, device = prepare_host()
     ckpt = ensure_checkpoint(args, device, env)
     per_token = kv_bytes_per_token(ckpt, device)
     num_blocks = max(1, int(args.gpu_pool_gib * 2**30) // (per_token * args.block_size))

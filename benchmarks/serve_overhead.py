@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import subprocess
 import sys
 import time
@@ -44,12 +43,11 @@ from benchmarks.proc_cpu import CpuSampler
 from benchmarks.serve_stack import (
     PY,
     Server,
-    child_env,
     engine_options,
     ensure_checkpoint,
-    host_facts,
     log,
     parse_variant,
+    prepare_host,
     profile_server,
     replica_latencies,
     replica_log_marks,
@@ -263,10 +261,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: every `finally` stops its server
-    env = child_env()
-    facts = host_facts(env)
-    device = "cuda" if (facts.get("hardware") or {}).get("gpu") else "cpu"
+    env, facts, device = prepare_host()
     trees = make_trees(args.baseline_tree)  # one checkpoint for both
     ctx = {"device": device, "ckpt": ensure_checkpoint(args, device, env), "env": env, "trees": trees}
     log(f"{args.model} ({ctx['ckpt']}) on {device}; users {args.users}; variants {list(args.variants)}; "

@@ -111,6 +111,15 @@ def host_facts(env: dict) -> dict:
     return {**facts, "git_commit": git_commit(ROOT)}
 
 
+def prepare_host() -> tuple[dict, dict, str]:
+    """A served benchmark's start: SIGTERM unwinds (every `finally` stops its server); the children's
+    environment, the host's facts and the device its servers run on."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    env = child_env()
+    facts = host_facts(env)
+    return env, facts, "cuda" if (facts.get("hardware") or {}).get("gpu") else "cpu"
+
+
 def ensure_checkpoint(args, device: str, env: dict) -> Path:
     ckpt = Path(args.ckpt or f"/tmp/minserve_bench/{args.model}").resolve()
     if not (ckpt / "config.json").exists():

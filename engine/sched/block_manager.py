@@ -26,6 +26,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from engine.sched.host_tier import HostTier, TierTransfers
+from engine.sched.ref_audit import refcount_problems
 
 
 def chain_hash(parent: int | None, tokens: Seq[int]) -> int:
@@ -309,18 +310,7 @@ class BlockManager:
                 expected[block] += 1
         for block in self.host.loading if self.host is not None else ():
             expected[block] += 1  # the copy's reference
-        problems = [
-            f"block {b}: ref_count {self.ref_count[b]} but {expected[b]} live references"
-            for b in range(self.num_blocks)
-            if expected[b] != self.ref_count[b]
-        ]
-        free = set(self.free_uncached) | set(self.free_cached)
-        if len(free) != self.num_free:
-            problems.append("a block is listed twice in the free lists")
-        problems += [f"block {b} is free but referenced" for b in free if self.ref_count[b]]
-        problems += [
-            f"block {b} is neither free nor referenced"
-            for b in range(self.num_blocks)
-            if not self.ref_count[b] and b not in free
-        ]
+        problems = refcount_problems(
+            "block", self.ref_count, expected, "live references", self.free_uncached, self.free_cached
+        )
         return problems + (self.host.audit() if self.host is not None else [])

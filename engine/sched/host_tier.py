@@ -19,6 +19,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from engine.sched.ref_audit import refcount_problems
+
 UNSENT = -1  # HostTier.loading's batch for a copy not handed to the runner yet
 
 
@@ -184,20 +186,9 @@ class HostTier:
                 expected[slot] += 1
             for slot, _ in batch.reloads:
                 expected[slot] += 1
-        problems = [
-            f"host slot {s}: ref_count {self.ref_count[s]} but {expected[s]} copies in flight"
-            for s in range(self.num_slots)
-            if expected[s] != self.ref_count[s]
-        ]
-        free = set(self.free_uncached) | set(self.free_cached)
-        if len(free) != len(self.free_uncached) + len(self.free_cached):
-            problems.append("a host slot is listed twice in the free lists")
-        problems += [f"host slot {s} is free but referenced" for s in free if self.ref_count[s]]
-        problems += [
-            f"host slot {s} is neither free nor referenced"
-            for s in range(self.num_slots)
-            if not self.ref_count[s] and s not in free
-        ]
+        problems = refcount_problems(
+            "host slot", self.ref_count, expected, "copies in flight", self.free_uncached, self.free_cached
+        )
         for table in (self.cached, self.writing):
             problems += [f"host hash {h} maps to slot {s} holding another" for h, s in table.items()
                          if self.slot_hash[s] != h]  # fmt: skip
