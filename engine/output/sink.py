@@ -96,18 +96,34 @@ class TokenSink:
         return not reason
 
     def accept(self, out: SchedulerOutput, spec_tokens: list[list[int]]) -> None:
-        """Append each speculating chunk's verified tokens (accepted proposals, then the target's own),
-        up to the first that ends its sequence, and count its acceptance."""
+        """Append each speculating chunk's verified tokens (accepted proposals, then the target's own) in
+        order, up to the first that ends its sequence, and count its acceptance. A token that brings
+        forced tokens (budget forcing's replacement, a tool's result) is the chunk's last: the positions
+        verified after it scored a history the sequence does not have, so their tokens are dropped and
+        the chunk keeps only the proposals before it (num_accepted), whose KV holds what the sequence
+        holds. Its forced tokens are then computed next step, as after a plain draw."""
         now = time.time()
         chunks = [c for c in out.chunks if c.num_draft]
         for chunk, tokens in zip(chunks, spec_tokens, strict=True):
             chunk.num_accepted = len(tokens) - 1
             if chunk.seq.finished:
                 continue
-            self.speculator.record(chunk.seq, chunk.num_draft, chunk.num_accepted)
-            for token in tokens:
-                if not self.append(chunk.seq, token, None, now):
-                    break
+            forced_at = self._append_verified(chunk.seq, tokens, now)
+            if forced_at is not None:
+                chunk.num_accepted = forced_at
+            cut = forced_at is not None and forced_at < len(tokens) - 1
+            self.speculator.record(chunk.seq, chunk.num_draft, chunk.num_accepted, cut)
+
+    def _append_verified(self, seq, tokens: list[int], now: float) -> int | None:
+        """Append a chunk's verified tokens while each goes in alone and as drawn; the index of the one
+        that brought forced tokens (or was replaced by none), where appending stopped; else None."""
+        for i, token in enumerate(tokens):
+            before = seq.num_tokens
+            if not self.append(seq, token, None, now):
+                return None  # finished: nothing more of this sequence is computed
+            if seq.num_tokens != before + 1 or not seq.masks[-1]:
+                return i
+        return None
 
     def emit(self) -> list[RequestOutput]:
         """Text and RequestOutputs for every request that got tokens in the previous step."""

@@ -8,7 +8,10 @@ ever a hint: stale draft KV lowers acceptance, never correctness, since verifica
 Per step, before the target's forward:
 1. mirror: every chunk of the step also runs through the draft, from what the draft already holds for
    that sequence (SpecState.draft_computed) up to the chunk's last real token. A speculating chunk's
-   last real token is its pending one, whose draft logits give proposal 0;
+   last real token is its pending one, whose draft logits give proposal 0. After verification,
+   draft_computed advances by the accepted proposals only (Speculator.record); a chunk cut after a
+   forced token (engine/output/sink.TokenSink.accept) accepts none from that token on, and a mirror
+   never starts past the target's own chunk, so draft KV of a dropped token is always recomputed;
 2. k - 1 decode forwards of the speculating rows, each feeding back the previous proposal (the draft's
    own CUDA graphs where a bucket fits).
 Greedy rows propose the draft's argmax; sampled rows draw from q = softmax(draft logits / T) with

@@ -8,8 +8,11 @@ engine/runner/draft_runner.py once the step is scheduled (always k of them). Aft
 sequence whose acceptance is too low to pay (SpeculativeConfig.disable_below_acceptance).
 
 A sequence speculates only as a plain decode: prompt done, one pending token, no grammar (its matcher
-would have to check every proposal), no logprobs, no forced tokens (tool, budget forcing), room for k
-more positions under max_model_len, and at least two tokens left of max_tokens.
+would have to check every proposal), no logprobs, room for k more positions under max_model_len, and
+at least two tokens left of max_tokens. Forced tokens (budget forcing, the calculator tool) do not stop
+it: the host appends a chunk's verified tokens one by one through the output processor, exactly as a
+plain decode's, and stops after the first that brings forced tokens (engine/output/sink.TokenSink.accept);
+`record` then gets the proposals before it as the accepted ones, for whatever proposer made them.
 """
 
 from __future__ import annotations
@@ -37,7 +40,14 @@ class Speculator:
         self.config = config
         self.k = config.num_speculative_tokens
         self.max_model_len = max_model_len
-        self.stats = {"spec_draft_tokens": 0, "spec_accepted_tokens": 0, "spec_verify_rows": 0}
+        # spec_forced_cuts: verified chunks whose tokens after a forced one (budget forcing, a tool) were
+        # dropped, their positions having scored a history the sequence does not have
+        self.stats = {
+            "spec_draft_tokens": 0,
+            "spec_accepted_tokens": 0,
+            "spec_verify_rows": 0,
+            "spec_forced_cuts": 0,
+        }
 
     @staticmethod
     def state(seq: Sequence) -> SpecState:
@@ -57,7 +67,6 @@ class Speculator:
             and seq.num_tokens - seq.num_computed == 1
             and seq.grammar is None
             and params.logprobs is None
-            and not params.needs_host_tokens
             and (seq.spec is None or not seq.spec.off)
             and seq.num_tokens + self.k <= self.max_model_len
             and params.max_tokens - seq.num_output >= 2
@@ -94,10 +103,11 @@ class Speculator:
             draft = draft + [seq.token_ids[-1]] * (k - len(draft))
         return draft
 
-    def record(self, seq: Sequence, positions: int, num_accepted: int) -> None:
+    def record(self, seq: Sequence, positions: int, num_accepted: int, cut: bool = False) -> None:
         """Count one verified chunk of `positions` scored proposal positions (n-gram: seq.draft are the
-        real proposals among them, the rest padding); stop the sequence speculating when its acceptance
-        does not pay."""
+        real proposals among them, the rest padding) whose first `num_accepted` proposals stand in the
+        sequence (`cut`: verified tokens after a forced one were dropped); stop the sequence speculating
+        when its acceptance does not pay."""
         num_draft = len(seq.draft) if self.config.method == "ngram" else positions
         state, stats = self.state(seq), self.stats
         state.proposed += num_draft
@@ -105,7 +115,10 @@ class Speculator:
         stats["spec_draft_tokens"] += num_draft
         stats["spec_accepted_tokens"] += num_accepted
         stats["spec_verify_rows"] += 1
-        if self.config.method == "draft_model":  # its KV of the accepted proposals is valid
+        stats["spec_forced_cuts"] += cut
+        # the draft's KV of the accepted proposals is valid; after a forced cut, num_accepted stops before
+        # the forced token, so the draft's KV of the dropped positions is left out too
+        if self.config.method == "draft_model":
             state.draft_computed += min(num_accepted, self.k - 1)
         metrics = seq.request.metrics
         metrics.spec_draft_tokens += num_draft
