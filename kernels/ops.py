@@ -246,12 +246,17 @@ def attention(q, k, v, k_cache, v_cache, meta, scale, sliding_window=None, softc
     """Paged decode kernel when every sequence has one new token and a cache exists (the CUDA-graph
     path: it reads only device tensors and shapes from `meta`); for a mixed batch (meta.mixed) the
     decode kernel on its one-query sequences and the flat-grid prefill kernel on the rest, both from
-    shapes alone; the varlen prefill kernel otherwise."""
+    shapes alone; the varlen prefill kernel otherwise. meta.visibility goes to the prefill kernel; the
+    decode kernel's one-query sequences must be ordinary causal (TokenVisibility says why)."""
     if not use_triton(q):
         return torch_ops.attention(q, k, v, k_cache, v_cache, meta, scale, sliding_window, softcap)
     from kernels import triton_decode_attention, triton_prefill_attention
 
     paged = meta.block_tables is not None
+    vis, vis_kw = getattr(meta, "visibility", None), {}
+    if vis is not None:
+        vis_kw = dict(visibility=(vis.ctx_lens, vis.local_start, vis.local_len, vis.positions),
+                      slot_mapping=meta.slot_mapping)  # fmt: skip
     if paged and (meta.is_decode or meta.mixed):
         out = triton_decode_attention.decode_attention(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, sliding_window, softcap,
@@ -262,7 +267,7 @@ def attention(q, k, v, k_cache, v_cache, meta, scale, sliding_window=None, softc
         return triton_prefill_attention.prefill_attention(
             q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.max_seqlen_q, scale,
             block_tables=meta.block_tables, sliding_window=sliding_window, softcap=softcap, out=out,
-            mixed=True,
+            mixed=True, **vis_kw,
         )  # fmt: skip
     return triton_prefill_attention.prefill_attention(
         q,
@@ -275,6 +280,7 @@ def attention(q, k, v, k_cache, v_cache, meta, scale, sliding_window=None, softc
         block_tables=meta.block_tables,
         sliding_window=sliding_window,
         softcap=softcap,
+        **vis_kw,
     )
 
 

@@ -126,36 +126,74 @@ def attention(
     attention then reads them back from the cache, so an fp8 cache's rounding applies to them too).
     Query i of a sequence sits at absolute position p = seq_len - query_len + i and sees key j iff
     j <= p and (sliding_window is None or p - j < sliding_window). Returns [T, Hq, D].
+    With meta.visibility set, each row sees the keys it names instead (_visible_keys).
     """
     out = torch.empty_like(q)
     group = q.shape[1] // k.shape[1]
+    vis = getattr(meta, "visibility", None)
+    if vis is not None and meta.block_tables is None:
+        raise ValueError("attention: visibility needs a KV cache (block_tables)")
     start = 0
     for b, (q_len, kv_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
         qb = q[start : start + q_len]
-        if meta.block_tables is None:
-            kb, vb = k[start : start + q_len], v[start : start + q_len]
+        if vis is not None and q_len > 0:
+            kb, vb, allowed = _visible_keys(k_cache, v_cache, meta, b, start, q_len, sliding_window)
         else:
-            kb = _gather_paged(k_cache, meta.block_tables[b], kv_len)
-            vb = _gather_paged(v_cache, meta.block_tables[b], kv_len)
-        out[start : start + q_len] = _attend_one(qb, kb, vb, group, scale, sliding_window, softcap)
+            if meta.block_tables is None:
+                kb, vb = k[start : start + q_len], v[start : start + q_len]
+            else:
+                kb = _gather_paged(k_cache, meta.block_tables[b], kv_len)
+                vb = _gather_paged(v_cache, meta.block_tables[b], kv_len)
+            allowed = _causal_mask(q_len, kv_len, sliding_window, q.device)
+        out[start : start + q_len] = _attend_one(qb, kb, vb, allowed, group, scale, softcap)
         start += q_len
     return out
 
 
-def _attend_one(qb, kb, vb, group, scale, sliding_window, softcap) -> torch.Tensor:
-    q_len, kv_len = qb.shape[0], kb.shape[0]
+def _causal_mask(q_len: int, kv_len: int, sliding_window: int | None, device) -> torch.Tensor:
+    """[q_len, kv_len]: the last q_len of kv_len positions, each seeing itself and what precedes it."""
+    pos_q = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
+    pos_k = torch.arange(kv_len, device=device)[None, :]
+    allowed = pos_k <= pos_q
+    if sliding_window is not None:
+        allowed &= (pos_q - pos_k) < sliding_window
+    return allowed
+
+
+def _visible_keys(k_cache, v_cache, meta, b: int, start: int, q_len: int, sliding_window: int | None):
+    """(keys, values, allowed [q_len, n]) of sequence b's rows start ... start + q_len - 1 under
+    meta.visibility: its cache positions below the rows' largest ctx_len, then the union of the rows'
+    local rows (ascending) read through slot_mapping. Ordinary causal values give exactly the keys and
+    mask of the causal rule, so the result is bit-identical to attention without visibility."""
+    vis, rows = meta.visibility, slice(start, start + q_len)
+    ctx, pos = vis.ctx_lens[rows].long(), vis.positions[rows].long()
+    first = vis.local_start[rows].long()
+    last = first + vis.local_len[rows].long()  # exclusive
+    if q_len == 1 and (int(ctx) != meta.seq_lens_cpu[b] or int(last - first) or int(pos) + 1 != int(ctx)):
+        raise ValueError("attention: a one-query sequence must be ordinary causal (the decode kernel's)")
+    n_ctx = int(ctx.max())
+    pos_k = torch.arange(n_ctx, device=ctx.device)[None, :]
+    allowed = pos_k < ctx[:, None]
+    if sliding_window is not None:
+        allowed &= (pos[:, None] - pos_k) < sliding_window
+    local = torch.cat([torch.arange(f, e, device=ctx.device) for f, e in zip(first.tolist(), last.tolist())])
+    local = torch.unique(local)  # sorted
+    allowed = torch.cat([allowed, (local[None, :] >= first[:, None]) & (local[None, :] < last[:, None])], 1)
+    slots = meta.slot_mapping[local]
+    kb = torch.cat([_gather_paged(k_cache, meta.block_tables[b], n_ctx), k_cache.flatten(0, 1)[slots]])
+    vb = torch.cat([_gather_paged(v_cache, meta.block_tables[b], n_ctx), v_cache.flatten(0, 1)[slots]])
+    return kb, vb, allowed
+
+
+def _attend_one(qb, kb, vb, allowed, group, scale, softcap) -> torch.Tensor:
+    """Softmax attention of qb [q_len, Hq, D] over kb, vb [n, Hk, D] where allowed [q_len, n]."""
     compute = torch.float64 if qb.dtype == torch.float64 else torch.float32
     qh = qb.to(compute).transpose(0, 1)  # [Hq, q_len, D]
-    kh = kb.to(compute).repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, kv_len, D]
+    kh = kb.to(compute).repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, n, D]
     vh = vb.to(compute).repeat_interleave(group, dim=1).transpose(0, 1)
     scores = torch.matmul(qh, kh.transpose(1, 2)) * scale
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
-    pos_q = torch.arange(kv_len - q_len, kv_len, device=qb.device)[:, None]
-    pos_k = torch.arange(kv_len, device=qb.device)[None, :]
-    allowed = pos_k <= pos_q
-    if sliding_window is not None:
-        allowed &= (pos_q - pos_k) < sliding_window
     scores = scores.masked_fill(~allowed, -math.inf)
     probs = torch.softmax(scores, dim=-1)
     return torch.matmul(probs, vh).transpose(0, 1).to(qb.dtype)

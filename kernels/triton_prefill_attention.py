@@ -8,6 +8,13 @@ cached) and sees key j iff j <= p and (no window or p - j < window).
 Keys come from the paged cache (PAGED: position j lives in block block_table[b, j // PAGE] at offset
 j % PAGE; this step's keys are already stored there) or, when there is no cache, from this step's
 k/v packed exactly like q (then seq_len == query_len). Online softmax in base 2, fp32 accumulators.
+
+VIS (per-row visibility, engine.models.attention_context.TokenVisibility; paged only) replaces the causal
+rule: row t sees cache positions j < ctx_lens[t] (and positions[t] - j < window), then the packed rows
+local_start[t] ... local_start[t] + local_len[t] - 1, whose keys are read from the cache at their
+slot_mapping slots in a second loop over the union of the tile's local ranges (_attend_local). seq_lens
+is not read then. One-query sequences of a FLAT grid are the decode kernel's, which knows no visibility:
+they must be ordinary causal (ctx_lens = seq_len, no local rows).
 """
 
 from __future__ import annotations
@@ -48,15 +55,52 @@ def _flat_tile_seq(cu_q_ptr, t, num_seqs, search_steps, BLOCK_M: tl.constexpr):
     return lo
 
 
+@triton.jit
+def _load_slot_rows(base_ptr, slot, valid, kh, stride_b, stride_s, stride_h, d, dmask, PAGE: tl.constexpr):
+    """Rows [len(slot), BLOCK_D] of one KV head at flat cache slots (block * PAGE + offset). Invalid rows
+    read 0."""
+    offs = (slot // PAGE)[:, None] * stride_b + (slot % PAGE)[:, None] * stride_s + kh * stride_h + d[None, :]
+    return tl.load(base_ptr + offs, mask=valid[:, None] & dmask[None, :], other=0.0)
+
+
+@triton.jit
+def _attend_local(q, m_i, l_i, acc, k_ptr, v_ptr, slot_ptr, first_ptr, len_ptr, rows, mvalid, kh,
+                  stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, d, dmask, scale, softcap,
+                  PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                  DOT_PREC: tl.constexpr):  # fmt: skip
+    """Fold in the tile's local keys: row t sees packed rows first[t] ... first[t] + len[t] - 1, whose
+    keys and values sit in the cache at slot_mapping[row] (slot -1: none). One pass over the union of
+    the rows' ranges; a tile without local keys runs none (lo = hi = 0: no sentinel near the int32 limit,
+    whose overflow a pipelined loop's look-ahead could turn into a read)."""
+    first = tl.load(first_ptr + rows, mask=mvalid, other=0)
+    end = first + tl.load(len_ptr + rows, mask=mvalid, other=0)
+    has = mvalid & (end > first)
+    hi = tl.max(tl.where(has, end, 0), axis=0)
+    lo = tl.min(tl.where(has, first, hi), axis=0)
+    for n in range(lo, hi, BLOCK_N):
+        r = n + tl.arange(0, BLOCK_N)
+        slot = tl.load(slot_ptr + r, mask=r < hi, other=-1)
+        valid = slot >= 0
+        k = _load_slot_rows(k_ptr, slot, valid, kh, stride_kb, stride_ks, stride_kh, d, dmask,
+                            PAGE).to(q.dtype)  # fmt: skip
+        allowed = valid[None, :] & (r[None, :] >= first[:, None]) & (r[None, :] < end[:, None])
+        s = scores_log2(q, k, allowed, scale, softcap, HAS_SOFTCAP, DOT_PREC)
+        v = _load_slot_rows(v_ptr, slot, valid, kh, stride_vb, stride_vs, stride_vh, d, dmask,
+                            PAGE).to(q.dtype)  # fmt: skip
+        m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_PREC)
+    return m_i, l_i, acc
+
+
 @triton.jit(do_not_specialize=["window", "num_seqs", "search_steps"])
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, seq_lens_ptr, block_tables_ptr,
+    ctx_ptr, first_ptr, len_ptr, pos_ptr, slot_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     scale, softcap, window, num_seqs, search_steps,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    DOT_PREC: tl.constexpr, FLAT: tl.constexpr,
+    DOT_PREC: tl.constexpr, FLAT: tl.constexpr, VIS: tl.constexpr,
 ):  # fmt: skip
     if FLAT:  # grid (flat tile, head); one-query sequences belong to the decode kernel
         h = tl.program_id(1)
@@ -71,13 +115,10 @@ def _prefill_kernel(
     q_len = tl.load(cu_q_ptr + b + 1) - q_start
     if tile * BLOCK_M >= q_len or (FLAT and q_len == 1):
         return
-    seq_len = tl.load(seq_lens_ptr + b)
-    ctx = seq_len - q_len
     kh = h // GROUP
 
     m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     mvalid = m < q_len
-    qpos = ctx + m
     d = tl.arange(0, BLOCK_D)
     dmask = d < HEAD_DIM
     rows = (q_start + m).to(tl.int64)
@@ -85,9 +126,21 @@ def _prefill_kernel(
     q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + d[None, :], mask=q_mask, other=0.0)
     q = dot_dtype_for(q, k_ptr)
 
-    # Keys this tile can see: causal bound from its last row, window bound from its first row.
-    hi = tl.minimum(seq_len, ctx + (tile + 1) * BLOCK_M)
-    lo = tl.where(window > 0, tl.maximum(ctx + tile * BLOCK_M - window + 1, 0), 0)
+    # Row i sees cache positions j < kend[i] with wpos[i] - j < window; the tile's loop bounds [lo, hi)
+    # cover its rows' keys (causal: the last row bounds hi, the first row lo).
+    if VIS:
+        kend = tl.load(ctx_ptr + rows, mask=mvalid, other=0)
+        wpos = tl.load(pos_ptr + rows, mask=mvalid, other=2147483647).to(tl.int32)
+        hi = tl.max(kend, axis=0)
+        lo = tl.min(wpos, axis=0) - window + 1
+    else:
+        seq_len = tl.load(seq_lens_ptr + b)
+        ctx = seq_len - q_len
+        wpos = ctx + m
+        kend = wpos + 1
+        hi = tl.minimum(seq_len, ctx + (tile + 1) * BLOCK_M)
+        lo = ctx + tile * BLOCK_M - window + 1
+    lo = tl.where(window > 0, tl.maximum(lo, 0), 0)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -98,13 +151,18 @@ def _prefill_kernel(
         # .to(q.dtype): an fp8 cache is upcast as it loads (exact; see dot_dtype_for).
         k = _load_kv_tile(k_ptr, bt_row, q_start, kpos, kvalid, kh, stride_kb, stride_ks, stride_kh, d,
                           dmask, PAGED, PAGE).to(q.dtype)  # fmt: skip
-        allowed = kvalid[None, :] & (kpos[None, :] <= qpos[:, None])
-        allowed = allowed & ((window <= 0) | (qpos[:, None] - kpos[None, :] < window))
+        allowed = kvalid[None, :] & (kpos[None, :] < kend[:, None])
+        allowed = allowed & ((window <= 0) | (wpos[:, None] - kpos[None, :] < window))
         s = scores_log2(q, k, allowed, scale, softcap, HAS_SOFTCAP, DOT_PREC)
         v = _load_kv_tile(v_ptr, bt_row, q_start, kpos, kvalid, kh, stride_vb, stride_vs, stride_vh, d,
                           dmask, PAGED, PAGE).to(q.dtype)  # fmt: skip
         # Rows may see nothing in a tile (window edge, rows past q_len): the step keeps them at 0.
         m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_PREC)
+    if VIS:
+        m_i, l_i, acc = _attend_local(q, m_i, l_i, acc, k_ptr, v_ptr, slot_ptr, first_ptr, len_ptr, rows,
+                                      mvalid, kh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+                                      stride_vh, d, dmask, scale, softcap, PAGE, BLOCK_N, HAS_SOFTCAP,
+                                      DOT_PREC)  # fmt: skip
 
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     out_ptrs = out_ptr + rows[:, None] * stride_ot + h * stride_oh + d[None, :]
@@ -155,6 +213,8 @@ def prefill_attention(
     block_n: int | None = None,
     out: torch.Tensor | None = None,
     mixed: bool = False,
+    visibility: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    slot_mapping: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [T, Hq, D]. With block_tables, k/v are the paged caches [N, page, Hk, D]; without, this step's
     k/v [T, Hk, D] packed like q. cu_seqlens_q [B + 1], seq_lens [B] int32. Returns [T, Hq, D].
@@ -163,7 +223,12 @@ def prefill_attention(
 
     mixed: the batch's one-query sequences are left to the decode kernel (their rows of `out` are not
     written), and the grid is flat, cdiv(T, BLOCK_M) + B tiles per head, from shapes alone: a CUDA graph
-    of a token-count bucket replays it for any split of its rows into sequences (max_seqlen_q unused)."""
+    of a token-count bucket replays it for any split of its rows into sequences (max_seqlen_q unused).
+
+    visibility: (ctx_lens, local_start, local_len, positions), [T] tensors (int32; positions int32 or
+    int64) as engine.models.attention_context.TokenVisibility describes them, replacing the causal rule
+    row by row; it needs block_tables and slot_mapping [T] (the local rows' cache slots). seq_lens is
+    then read only by the decode kernel of a mixed batch, for its one-query sequences."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[-2]
     if num_q_heads % num_kv_heads or k.shape[-1] != head_dim or v.shape != k.shape:
@@ -181,6 +246,7 @@ def prefill_attention(
     bm, bn, num_warps, num_stages = prefill_config(head_dim, k.dtype == torch_ops.FP8_DTYPE, short)
     bm, bn = block_m or bm, block_n or bn
     paged = block_tables is not None
+    vis_args = _visibility_args(visibility, slot_mapping, paged, num_tokens, cu_seqlens_q)
     if paged:
         kv_strides = (k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2))
         page, bt, stride_bt = k.shape[1], block_tables, block_tables.stride(0)
@@ -192,12 +258,27 @@ def prefill_attention(
     else:
         grid = (triton.cdiv(max_seqlen_q, bm), batch, num_q_heads)
     _prefill_kernel[grid](
-        q, k, v, out, cu_seqlens_q, seq_lens, bt,
+        q, k, v, out, cu_seqlens_q, seq_lens, bt, *vis_args,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *kv_strides, stride_bt,
         scale, softcap or 0.0, sliding_window or 0, batch, batch.bit_length(),
         GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_M=bm, BLOCK_N=bn, PAGED=paged, PAGE=page, HAS_SOFTCAP=softcap is not None,
-        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", FLAT=mixed, num_warps=num_warps,
-        num_stages=num_stages,
+        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", FLAT=mixed, VIS=visibility is not None,
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out
+
+
+def _visibility_args(visibility, slot_mapping, paged: bool, num_tokens: int, placeholder: torch.Tensor):
+    """The kernel's (ctx_lens, local_start, local_len, positions, slot_mapping) pointers: the checked
+    tensors, or `placeholder` five times when there is no visibility (never read: VIS is off)."""
+    if visibility is None:
+        return (placeholder,) * 5
+    if not paged or slot_mapping is None:
+        raise ValueError("prefill_attention: visibility needs block_tables and slot_mapping")
+    args = (*visibility, slot_mapping)
+    if len(args) != 5 or any(t.shape != (num_tokens,) or not t.is_contiguous() for t in args):
+        raise ValueError(
+            f"prefill_attention: visibility and slot_mapping must be 4 + 1 contiguous [{num_tokens}]"
+        )
+    return args

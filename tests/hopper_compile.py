@@ -101,12 +101,14 @@ def _attention_and_cache(hq: int, hk: int, d: int, window: int | None, cap: floa
     norm = dict(q_norm_weight=torch.randn(d, **BF16), k_norm_weight=torch.randn(d, **BF16), norm_offset=1.0)
     tables = torch.arange(8, dtype=torch.int32).view(2, 4)
     lens, cu = torch.tensor([40, 64], dtype=torch.int32), torch.tensor([0, 3, 6], dtype=torch.int32)
+    vis = dict(visibility=(*[torch.zeros(6, dtype=torch.int32)] * 3, pos), slot_mapping=slots)  # per-row
     for kv in (cache, cache.to(torch.float8_e4m3fn)):  # the model-dtype and the fp8 KV cache
         triton_kv.store_kv(k, k, kv, kv, pos)
         triton_rope.rope_store_kv(q, k, k, pos, cos_sin, kv, kv, slots, **norm)
         dec.decode_attention(q[:2], kv, kv, tables, lens, 0.1, window, cap)  # 1 split: direct
         dec.decode_attention(q[:2], kv, kv, tables, lens, 0.1, window, cap, num_splits=2)  # + merge
         pre.prefill_attention(q, kv, kv, cu, lens, 3, 0.1, tables, window, cap)
+        pre.prefill_attention(q, kv, kv, cu, lens, 3, 0.1, tables, window, cap, mixed=True, **vis)
     pre.prefill_attention(q, k, k, cu, torch.tensor([3, 3]), 3, 0.1, None, window, cap)
 
 

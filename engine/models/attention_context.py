@@ -15,6 +15,9 @@ Packed layout, for B sequences and T = sum(query_lens) new tokens:
 
 block_tables is None when no KV cache exists (parity tests, the naive reference): attention then runs
 over the new tokens alone, which must then be whole sequences (seq_lens == query_lens).
+
+visibility (TokenVisibility), when set, replaces the causal rule row by row (the verify-and-draft step of
+gated LoRA self-speculation, whose mask tokens see keys that are not at their own positions).
 """
 
 from __future__ import annotations
@@ -24,6 +27,38 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+
+
+@dataclass
+class TokenVisibility:
+    """Which keys each packed row of a step sees, when that is not plain causal. [T] device tensors:
+
+      * ctx_lens (int32): row t sees its sequence's cache positions < ctx_lens[t] (block_tables);
+      * local_start, local_len (int32): and the keys of packed rows local_start[t] ...
+        local_start[t] + local_len[t] - 1 of this step, read from the cache at their slot_mapping slots
+        (a speculative mask token's K/V lives in a scratch slot, not at its position);
+      * positions (int32 or int64): row t's absolute position. With a sliding window a cache key at
+        position j is seen only if positions[t] - j < window; local keys are always inside it.
+
+    An ordinary causal row has ctx_lens = position + 1 and local_len = 0 (`causal`). A sequence with one
+    query row must be ordinary causal with ctx_lens = seq_len: the decode kernel takes such sequences
+    (every sequence of a decode step, the one-query ones of a mixed step) and reads seq_lens alone.
+    Visibility needs a KV cache (block_tables)."""
+
+    ctx_lens: torch.Tensor
+    local_start: torch.Tensor
+    local_len: torch.Tensor
+    positions: torch.Tensor
+
+    @staticmethod
+    def causal(
+        query_lens: list[int], seq_lens: list[int], device: torch.device | str = "cpu"
+    ) -> TokenVisibility:
+        """The visibility of ordinary causal rows: the rule attention applies when there is none."""
+        pos = [s - q + i for q, s in zip(query_lens, seq_lens) for i in range(q)]
+        positions = torch.tensor(pos, dtype=torch.int32, device=device)
+        zeros = torch.zeros_like(positions)
+        return TokenVisibility(positions + 1, zeros, zeros.clone(), positions)
 
 
 @dataclass
@@ -44,6 +79,8 @@ class AttentionMetadata:
     # multi-LoRA (engine/lora/layers.py): the adapter slot of each row (int32 [T], -1: none), or None
     # when no row has an adapter (and no CUDA graph reads a LoRA buffer)
     lora_slots: torch.Tensor | None = None
+    # per-row visibility of a step that is not plain causal (TokenVisibility); None: causal
+    visibility: TokenVisibility | None = None
 
     @property
     def is_decode(self) -> bool:
