@@ -3,8 +3,12 @@
 Key names follow vLLM's `speculative_config` so a user's dict carries over. Invariants, checked at
 construction: 1 <= num_speculative_tokens <= 16; the n-gram proposer has
 1 <= prompt_lookup_min <= prompt_lookup_max and no draft model; the draft-model proposer names a local
-checkpoint directory. dtype / device None mean "follow the target model". Nothing here loads a model:
-`check_draft_vocab` is for the loader, once both vocabularies are known.
+checkpoint directory. dtype / device None mean "follow the target model". The gated_lora_mtp method
+(self-speculation: k mask tokens after each real token, a LoRA active only at the mask positions and a
+sampler head; engine/spec/mtp_head.py, docs/architecture.md) names the local directory holding the
+LoRA and the head in `model`, takes k <= 8, and neither dtype / device (it runs inside the target) nor
+the n-gram options. Nothing here loads a model: `check_draft_vocab` is for the loader, once both
+vocabularies are known, and engine/spec/mtp_head.py checks an MTP directory.
 
 When speculation stops for a sequence (engine/spec/speculator.py): after `acceptance_window` proposed
 tokens its acceptance rate is below `disable_below_acceptance` (it decodes plainly from then on), or
@@ -19,8 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "gated_lora_mtp")
 MAX_SPECULATIVE_TOKENS = 16  # verification scores k + 1 positions per row; more rarely pays off
+MAX_MTP_TOKENS = 8  # gated_lora_mtp: each real token of a step carries k mask tokens, so k costs k + 1 rows
 _DTYPES = ("auto", "float32", "float16", "bfloat16", "float64")
 
 
@@ -31,11 +36,11 @@ def _require(ok: bool, field: str, message: str) -> None:
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    method: str  # "ngram" (prompt lookup) or "draft_model"
+    method: str  # "ngram" (prompt lookup), "draft_model" or "gated_lora_mtp" (self-speculation)
     num_speculative_tokens: int  # k: tokens proposed per sequence per step
     prompt_lookup_max: int = 4  # ngram: longest suffix tried as the lookup pattern
     prompt_lookup_min: int = 1  # ngram: shortest suffix tried before giving up
-    model: str | None = None  # draft_model: a local HF-format checkpoint directory
+    model: str | None = None  # draft_model: a local HF-format checkpoint directory; gated_lora_mtp: its dir
     dtype: str | None = None  # draft_model: None follows the target's dtype
     device: str | None = None  # draft_model: None follows the target's device
     disable_by_batch_size: int | None = None  # no speculation while more sequences than this run
@@ -53,8 +58,10 @@ class SpeculativeConfig:
         )
         if self.method == "ngram":
             self._check_ngram()
-        else:
+        elif self.method == "draft_model":
             self._check_draft_model()
+        else:
+            self._check_mtp()
         self._check_policy()
 
     def _check_policy(self) -> None:
@@ -92,6 +99,24 @@ class SpeculativeConfig:
         dev = self.device
         ok_device = dev is None or dev in ("auto", "cpu", "cuda") or dev.startswith("cuda:")
         _require(ok_device, "device", f"got {dev!r}; use None (follow the target), auto, cpu, cuda or cuda:N")
+
+    def _check_mtp(self) -> None:
+        k = self.num_speculative_tokens
+        fix_k = f"got {k}; gated_lora_mtp drafts at most {MAX_MTP_TOKENS} per step: use 1..{MAX_MTP_TOKENS}"
+        _require(k <= MAX_MTP_TOKENS, "num_speculative_tokens", fix_k)
+        _require(
+            isinstance(self.model, str) and bool(self.model),
+            "model",
+            "the gated_lora_mtp method needs it; give the path of a local directory holding the gated LoRA "
+            "and the MTP head (adapter_config.json, mtp_config.json, ...)",
+        )
+        for name in ("dtype", "device"):
+            why = "gated_lora_mtp runs inside the target model and follows its dtype and device; remove it"
+            _require(getattr(self, name) is None, name, why)
+        for f in fields(self):
+            if f.name.startswith("prompt_lookup_"):
+                unchanged = getattr(self, f.name) == f.default
+                _require(unchanged, f.name, "only ngram takes it; remove it for gated_lora_mtp")
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> SpeculativeConfig:

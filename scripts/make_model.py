@@ -4,6 +4,8 @@
                                  [--quant fp8-block|int8|fp8-channel|fp8-tensor [--dequantized-twin]]
     python -m scripts.make_model --lora-for MODEL_DIR --out OUT_DIR [--rank R] [--targets all] ...
                                  (a random PEFT LoRA adapter: scripts/make_lora.py)
+    python -m scripts.make_model --mtp NAME|MODEL_DIR OUT_DIR [--num-mask-tokens 8] [--rank 16] ...
+                                 (a random gated-LoRA MTP directory: scripts/make_mtp.py)
 
 NAME is one of scripts/model_shapes.py's SPECS: tiny (the default model of `make serve`), tiny-qwen3,
 tiny-gemma3, tiny-quant, or a real shape (llama-3.2-1b, llama-3.1-8b, qwen3-0.6b, gemma-3-1b). The
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib
 import importlib.metadata
 import json
 import sys
@@ -45,6 +48,9 @@ TORCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 DEFAULT_SHARD_BYTES = 2 * 2**30
 TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "engine" / "templates"
 NORM_STD = 0.1  # norm weights: 1 + N(0, 0.1) (Gemma: N(0, 0.1), since it scales by 1 + w)
+# a flag that makes this command another script's (scripts/<module>.py's main(argv), imported on use):
+# a random PEFT adapter for a checkpoint, a random gated-LoRA MTP directory for a shape or checkpoint
+SUBCOMMANDS = {"--lora-for": "make_lora", "--mtp": "make_mtp"}
 
 
 def tensor_seed(seed: int, name: str) -> int:
@@ -203,10 +209,9 @@ def make_model(
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if "--lora-for" in argv:  # a random PEFT adapter for a checkpoint (scripts/make_lora.py)
-        from scripts import make_lora
-
-        return make_lora.main(argv)
+    for flag, module in SUBCOMMANDS.items():
+        if flag in argv:
+            return importlib.import_module(f"scripts.{module}").main(argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("name", help="checkpoint shape: tiny, tiny-qwen3, tiny-gemma3, llama-3.2-1b, ...")
     parser.add_argument("out_dir", type=Path)

@@ -17,6 +17,12 @@ def test_valid_configs_keep_their_values():
         {"method": "draft_model", "num_speculative_tokens": 16, "model": "/ckpt/draft", "dtype": "bfloat16"}
     )
     assert (draft.model, draft.dtype, draft.device) == ("/ckpt/draft", "bfloat16", None)
+    mtp = SpeculativeConfig.from_dict(
+        {"method": "gated_lora_mtp", "num_speculative_tokens": 8, "model": "/mtp"}
+    )
+    assert (mtp.method, mtp.num_speculative_tokens, mtp.model, mtp.dtype, mtp.device) == (
+        "gated_lora_mtp", 8, "/mtp", None, None,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -37,11 +43,34 @@ def test_valid_configs_keep_their_values():
         ({"method": "draft_model", "num_speculative_tokens": 2, "model": "/c", "dtype": "fp4"}, "dtype"),
         ({"method": "draft_model", "num_speculative_tokens": 2, "model": "/c", "device": "tpu"}, "device"),
         ({"method": "ngram", "num_speculative_tokens": 2, "acceptance_method": "x"}, "acceptance_method"),
+        ({"method": "gated_lora_mtp", "num_speculative_tokens": 2}, "model"),
+        ({"method": "gated_lora_mtp", "num_speculative_tokens": 2, "model": ""}, "model"),
+        ({"method": "gated_lora_mtp", "num_speculative_tokens": 9, "model": "/m"}, "num_speculative_tokens"),
+        ({"method": "gated_lora_mtp", "num_speculative_tokens": 2, "model": "/m", "dtype": "bf16"}, "dtype"),
+        ({"method": "gated_lora_mtp", "num_speculative_tokens": 2, "model": "/m", "device": "cpu"}, "device"),
+        ({"method": "gated_lora_mtp", "num_speculative_tokens": 2, "model": "/m", "prompt_lookup_max": 3},
+         "prompt_lookup_max"),
+        ({"method": "gated_lora_mtp", "num_speculative_tokens": 2, "model": "/m", "prompt_lookup_min": 2},
+         "prompt_lookup_min"),
     ],
 )  # fmt: skip
 def test_bad_configs_name_the_field(d, field):
     with pytest.raises(ValueError, match=rf"^speculative_config\.{field}: "):
         SpeculativeConfig.from_dict(d)
+
+
+def test_gated_lora_mtp_messages_give_the_fix():
+    cases = [
+        ({"num_speculative_tokens": 9, "model": "/m"}, r"num_speculative_tokens: got 9; .*at most 8.*1\.\.8"),
+        ({"num_speculative_tokens": 2}, r"model: the gated_lora_mtp method needs it; give the path"),
+        ({"num_speculative_tokens": 2, "model": "/m", "dtype": "float16"}, r"dtype: .*follows its dtype"),
+    ]
+    for d, message in cases:
+        with pytest.raises(ValueError, match=rf"^speculative_config\.{message}"):
+            SpeculativeConfig.from_dict({"method": "gated_lora_mtp", **d})
+    # the defaults of the n-gram options are no change, whether given or not
+    d = {"method": "gated_lora_mtp", "num_speculative_tokens": 1, "model": "/m", "prompt_lookup_max": 4}
+    assert SpeculativeConfig.from_dict(d).prompt_lookup_max == 4
 
 
 def test_config_is_frozen():
