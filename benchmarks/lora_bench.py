@@ -116,7 +116,8 @@ def plan(args) -> list[tuple[str, dict, list]]:
 def markdown(report: dict) -> str:
     base = {r["batch"]: r["tok_s"] for r in report["rows"] if r["engine"] == "base"}
     sizes = f"prompt {report['prompt']}, gen {report['gen']}"
-    lines = [f"# Multi-LoRA decode ({report['model']}, {report['environment'].get('gpu', 'CPU')})", "",
+    gpu = report["environment"]["hardware"].get("gpu", "CPU")
+    lines = [f"# Multi-LoRA decode ({report['model']}, {gpu})", "",
              f"`{report['command']}` (commit {report['commit']}); {sizes}.",
              "", "| engine | case | batch | tok/s | of the base |", "|---|---|---|---|---|"]  # fmt: skip
     for r in report["rows"]:
