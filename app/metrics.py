@@ -23,7 +23,7 @@ queue_time}_seconds,
 ray_minserve_{prompt_tokens,generation_tokens,preemptions,aborts,errors}_total,
 ray_minserve_{num_running,num_waiting,kv_blocks_used,kv_blocks_total,prefix_cache_hit_rate,
 ongoing_requests}; on a GPU ray_minserve_gpu_busy_estimate (docs/operations.md); with speculative
-decoding also ray_minserve_spec_{draft_tokens,accepted_tokens,verified_chunks}_total and
+decoding also ray_minserve_spec_{draft_tokens,accepted_tokens,verified_chunks,forced_cuts}_total and
 ray_minserve_spec_{acceptance_rate,mean_accepted_length}; with a host KV tier (kv_offloading_size)
 ray_minserve_kv_host_{hit_blocks,hit_requests}_total, ray_minserve_kv_{offload,reload}_{blocks,bytes}_total,
 ray_minserve_kv_host_{blocks_used,blocks_total,hit_rate} and ray_minserve_kv_{offload,reload}_gbps.
@@ -58,6 +58,10 @@ _COUNTERS = {
     "spec_draft_tokens": ("minserve_spec_draft_tokens", "Speculative proposals verified."),
     "spec_accepted_tokens": ("minserve_spec_accepted_tokens", "Speculative proposals accepted."),
     "spec_verify_rows": ("minserve_spec_verified_chunks", "Sequence-steps that verified proposals."),
+    "spec_forced_cuts": (
+        "minserve_spec_forced_cuts",
+        "Verified chunks cut after a forced token (budget forcing, a tool).",
+    ),
     "kv_host_hit_blocks": ("minserve_kv_host_hit_blocks", "Prompt blocks found in the host KV tier."),
     "kv_host_hit_requests": ("minserve_kv_host_hit_requests", "Prompts with a block from the host KV tier."),
     "kv_offload_blocks": ("minserve_kv_offload_blocks", "KV blocks copied to the host tier."),

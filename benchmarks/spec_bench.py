@@ -113,7 +113,7 @@ def configs(args) -> list[tuple[str, dict | None, list]]:
     """(label, speculative_config, [(alpha label, alpha, cut-off on)]) per engine."""
     out = [("plain", None, [(None, None, False)])]
     alphas = [("0 (cut-off off)", 0.0, False), ("0 (default cut-off)", 0.0, True)]
-    alphas += [(str(a), a, False) for a in (0.5, 0.7, 0.9)]
+    alphas += [(str(a), a, False) for a in args.alphas if a > 0]
     for k in args.ks:
         if "self" in args.proposers:
             cfg = {"method": "draft_model", "model": str(args.target_dir), "num_speculative_tokens": k}
@@ -125,7 +125,15 @@ def configs(args) -> list[tuple[str, dict | None, list]]:
             cfg = {"method": "draft_model", "model": str(args.draft_dir), "num_speculative_tokens": k,
                    "synthetic_acceptance_rate": 0.0}  # fmt: skip
             out.append((f"draft {args.draft}, k={k}", cfg, alphas))
+        if "mtp" in args.proposers:
+            out.append((f"gated-LoRA MTP, k={k}", mtp_config(args, k), alphas))
     return out
+
+
+def mtp_config(args, k: int, **kw) -> dict:
+    """gated_lora_mtp with the random head of the target's shape (batch cut-off: its default)."""
+    return {"method": "gated_lora_mtp", "model": str(args.mtp_dir), "num_speculative_tokens": k,
+            "synthetic_acceptance_rate": 0.0, **kw}  # fmt: skip
 
 
 def measure(label: str, spec: dict | None, alphas, args, batches: list[int]) -> list[dict]:
@@ -189,9 +197,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", default="llama-3.1-8b")
     ap.add_argument("--draft", default="llama-3.2-1b")
     ap.add_argument(
-        "--proposers", default="self,ngram,draft", help="any of self (draft = target), ngram, draft"
+        "--proposers",
+        default="self,ngram,draft",
+        help="any of self (draft = target), ngram, draft, mtp (gated_lora_mtp, a random head)",
     )
     ap.add_argument("--ks", default="2,4")
+    ap.add_argument("--alphas", default="0.5,0.7,0.9", help="synthetic acceptance rates beside 0")
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--gen", type=int, default=192)
@@ -206,11 +217,16 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.bench import make_checkpoint
 
     args.ks = [int(k) for k in args.ks.split(",")]
+    args.alphas = [float(a) for a in args.alphas.split(",")]
     args.target_dir = ckpt_path(args.ckpt_dir, args.target, args.smoke)
     args.draft_dir = ckpt_path(args.ckpt_dir, args.draft, args.smoke)
     make_checkpoint(args.target, args.target_dir, smoke=args.smoke)
     if "draft" in args.proposers:
         make_checkpoint(args.draft, args.draft_dir, smoke=args.smoke)
+    if "mtp" in args.proposers:
+        from scripts.make_mtp import write_mtp_dir
+
+        args.mtp_dir = write_mtp_dir(Path(f"{args.target_dir}-mtp"), args.target_dir, max(args.ks))
     batches = [int(b) for b in args.batches.split(",")]
     report = {
         "command": "python -m benchmarks.spec_bench " + " ".join(sys.argv[1:] if argv is None else argv)
@@ -231,15 +247,16 @@ def profile_all(args, batches: list[int]) -> list[dict]:
     k = max(args.ks)
     spec = {"method": "ngram", "num_speculative_tokens": k, "synthetic_acceptance_rate": 0.0,
             "disable_below_acceptance": 0.0}  # fmt: skip
+    steps = [("plain decode", None), (f"verify k={k}", spec)]
+    if "mtp" in args.proposers:  # no batch cut-off: the MTP step itself at every batch
+        cut = {"disable_below_acceptance": 0.0, "disable_by_batch_size": max(batches)}
+        steps.append((f"MTP verify+draft k={k}", mtp_config(args, k, **cut)))
     out = []
-    for q, cfg in ((1, None), (k + 1, spec)):
+    for name, cfg in steps:
         opts = {"max_num_seqs": max(batches), "max_model_len": args.prompt + args.gen + 32}
         llm = LLM(str(args.target_dir), **opts, **({"speculative_config": cfg} if cfg else {}))
-        for batch in batches:
-            out += [
-                {"step": "plain decode" if q == 1 else f"verify k={k}", **r}
-                for r in profile_verify(llm, batch, args)
-            ]
+        for batch in [b for b in batches if b <= 8]:  # where a step's cost is the weights' read
+            out += [{"step": name, **r} for r in profile_verify(llm, batch, args)]
         del llm
         gc.collect()
     return out

@@ -24,6 +24,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 METHODS = ("ngram", "draft_model", "gated_lora_mtp")
+MTP_BATCH_LIMIT = 8  # gated_lora_mtp's default disable_by_batch_size (see SpeculativeConfig.batch_limit)
 MAX_SPECULATIVE_TOKENS = 16  # verification scores k + 1 positions per row; more rarely pays off
 MAX_MTP_TOKENS = 8  # gated_lora_mtp: each real token of a step carries k mask tokens, so k costs k + 1 rows
 _DTYPES = ("auto", "float32", "float16", "bfloat16", "float64")
@@ -47,6 +48,15 @@ class SpeculativeConfig:
     disable_below_acceptance: float = 0.1  # a sequence's accepted / proposed below this stops it
     acceptance_window: int = 16  # proposed tokens of a sequence before its rate is judged
     synthetic_acceptance_rate: float | None = None  # benchmarks only: accept each proposal with this
+
+    @property
+    def batch_limit(self) -> int | None:
+        """The running sequences above which no sequence speculates: disable_by_batch_size, or for
+        gated_lora_mtp when unset MTP_BATCH_LIMIT (its verify step scores (k + 1)^2 rows per sequence,
+        which stops paying once the weights' read no longer dominates a step)."""
+        if self.disable_by_batch_size is None and self.method == "gated_lora_mtp":
+            return MTP_BATCH_LIMIT
+        return self.disable_by_batch_size
 
     def __post_init__(self) -> None:
         _require(self.method in METHODS, "method", f"got {self.method!r}; use one of {list(METHODS)}")

@@ -150,8 +150,8 @@ def test_calculator_result_is_forced_inside_a_verified_chunk(tiny_model_dir):
     spec = llm.engine.runner.spec
     verifier = spec.verifier
 
-    def scripted(logits, rows, plain):
-        pending = verifier(logits, rows, plain)
+    def scripted(logits, rows, plain, drafter=None):
+        pending = verifier(logits, rows, plain, drafter)
         resolve = pending.resolve
 
         def resolved():

@@ -81,6 +81,9 @@ class AttentionMetadata:
     lora_slots: torch.Tensor | None = None
     # per-row visibility of a step that is not plain causal (TokenVisibility); None: causal
     visibility: TokenVisibility | None = None
+    # rows whose input vector is given rather than looked up: (rows int64 [M], vectors [M, H]); the
+    # gated-LoRA MTP step's mask tokens (engine/runner/mtp_step.py). None: every row embeds its id
+    embed_rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def is_decode(self) -> bool:

@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from engine.models.attention_context import get_context
 from engine.models.config import ModelConfig
 from engine.models.layers import (
     Attention,
@@ -145,6 +146,9 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: [T] for the packed batch set in the attention context -> hidden [T, H]
         (final norm applied)."""
         hidden = self.embed(input_ids)
+        given = get_context().embed_rows
+        if given is not None:  # mask tokens of a gated-LoRA MTP step carry their own input vectors
+            hidden.index_copy_(0, given[0], given[1].to(hidden.dtype))
         residual = None
         for layer in self.model.layers:
             hidden, residual = layer(positions, hidden, residual)

@@ -63,7 +63,9 @@ class TokenSink:
         """Append the received ids: token-level work only."""
         result = received.result if received is not None else None
         if result is not None and result.spec_tokens is not None:
-            self.accept(out, result.spec_tokens)  # before update_computed: it hashes their blocks
+            self.accept(
+                out, result.spec_tokens, result.spec_drafts
+            )  # before update_computed: it hashes their blocks
         self.scheduler.update_computed(out)
         if result is None:
             return
@@ -95,22 +97,27 @@ class TokenSink:
             self.scheduler.finish(seq, reason)
         return not reason
 
-    def accept(self, out: SchedulerOutput, spec_tokens: list[list[int]]) -> None:
+    def accept(
+        self, out: SchedulerOutput, spec_tokens: list[list[int]], drafts: list[list[int]] | None = None
+    ) -> None:
         """Append each speculating chunk's verified tokens (accepted proposals, then the target's own) in
         order, up to the first that ends its sequence, and count its acceptance. A token that brings
         forced tokens (budget forcing's replacement, a tool's result) is the chunk's last: the positions
         verified after it scored a history the sequence does not have, so their tokens are dropped and
         the chunk keeps only the proposals before it (num_accepted), whose KV holds what the sequence
-        holds. Its forced tokens are then computed next step, as after a plain draw."""
+        holds. Its forced tokens are then computed next step, as after a plain draw. `drafts` (gated-LoRA
+        MTP): each chunk's drafts for its next step, which follow its last verified token."""
         now = time.time()
         chunks = [c for c in out.chunks if c.num_draft]
-        for chunk, tokens in zip(chunks, spec_tokens, strict=True):
+        for i, (chunk, tokens) in enumerate(zip(chunks, spec_tokens, strict=True)):
             chunk.num_accepted = len(tokens) - 1
             if chunk.seq.finished:
                 continue
             forced_at = self._append_verified(chunk.seq, tokens, now)
             if forced_at is not None:
                 chunk.num_accepted = forced_at
+            elif drafts is not None and not chunk.seq.finished:
+                self.speculator.keep_drafts(chunk.seq, tokens[-1], drafts[i])
             cut = forced_at is not None and forced_at < len(tokens) - 1
             self.speculator.record(chunk.seq, chunk.num_draft, chunk.num_accepted, cut)
 

@@ -32,7 +32,8 @@ def capture_sets(
         pool = mixed.capture()
     spec = config.speculative
     graphs = {}
-    for q in [1] + ([spec.num_speculative_tokens + 1] if spec is not None else []):
+    verify = spec is not None and spec.method != "gated_lora_mtp"  # MTP steps run eagerly
+    for q in [1] + ([spec.num_speculative_tokens + 1] if verify else []):
         g = DecodeGraphs(model, device, max_batch, width, block_size, hidden, dtype, q)
         g.lora = config.enable_lora  # the LoRA layers read each row's slot from the step's buffers
         pool = g.capture(pool)

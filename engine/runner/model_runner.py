@@ -15,25 +15,25 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import astuple
+from dataclasses import astuple, replace
 
 import torch
 
 from engine.config import EngineConfig
 from engine.device.placement import resolve_device_dtype
 from engine.device.uploader import Uploader
-from engine.lora.layers import wrap_model
 from engine.lora.manager import LoRAManager
 from engine.models.attention_context import AttentionMetadata, attention_context
 from engine.models.layers import Attention
 from engine.models.loader import load_model
 from engine.models.parallel import local_config
-from engine.runner import tp_wire
+from engine.runner import mtp_setup, tp_wire
 from engine.runner.cuda_graph import DecodeGraphs, MixedGraphs, forward_batch, lm_head_rows
 from engine.runner.draft_runner import DraftRunner
 from engine.runner.graph_sets import capture_sets, max_graph_batch
 from engine.runner.kv_cache import KVCacheSpec, allocate_kv_cache, kv_cache_dtype, plan_kv_cache
 from engine.runner.kv_offload import KVOffload
+from engine.runner.mtp_step import MtpStep
 from engine.runner.plain_draw import PlainDraw
 from engine.runner.spec_step import SpecStep
 from engine.runner.step_inputs import StepBatch, build_batch, prompt_logprob_rows
@@ -105,11 +105,14 @@ class ModelRunner:
             config.load.model, dtype=self.dtype, device=self.device, quantization=config.load.quantization,
             shard=None if self.tp is None else self.tp.shard,
         )  # fmt: skip
+        # gated-LoRA MTP: mask embeddings and sampler head (None for other engines)
+        self.mtp_head = mtp_setup.load_head(config, self.model_config, self.dtype, self.device, self.tp)
         self.lora = self._wrap_model(config)  # LoRA layers (None unless enable_lora), TPModel with TP
         max_pos = self.model_config.max_position_embeddings
         self.max_model_len = min(config.load.max_model_len or min(max_pos, 8192), max_pos)
         self.block_size = config.cache.block_size
         self.draft = self._load_draft(config)
+        self.upload = Uploader(self.device)
         self._allocate_kv_cache(config)
         vocab = self.model_config.vocab_size
         sampler = Sampler(vocab, self.device)
@@ -118,20 +121,23 @@ class ModelRunner:
             if config.grammar_process
             else BitmaskFiller(vocab, self.device)
         )
-        self.upload = Uploader(self.device)
         # unseeded sequences draw from stream (base, seq_id); the base follows load.seed (set above)
         self.draw = PlainDraw(sampler, bitmasks, self.upload, int(torch.randint(0, 2**62, (1,)).item()))
         max_batch = max_graph_batch(config)
         self.mixed_graphs: MixedGraphs | None = None
         self.graphs_by_q = self._capture_graphs(config, max_batch)
         self.graphs: DecodeGraphs | None = self.graphs_by_q.get(1)
-        self.spec: SpecStep | None = None  # speculative decoding: proposals and their verification
-        if config.speculative is not None:
-            if self.draft is not None:
-                graphs = bool(self.graphs_by_q)
-                self.draft.allocate(self.kv_spec.num_blocks, max_batch, self.max_model_len, graphs)
-            verifier = SpecSampler(sampler, config.speculative.synthetic_acceptance_rate)
-            self.spec = SpecStep(self.draw, verifier, self.draft, self.model.compute_logits, self.upload)
+        # speculative decoding: proposals and their verification
+        self.spec = self._speculation(config, sampler, max_batch) if config.speculative else None
+
+    def _speculation(self, config: EngineConfig, sampler: Sampler, max_batch: int) -> SpecStep:
+        if self.draft is not None:
+            graphs = bool(self.graphs_by_q)
+            self.draft.allocate(self.kv_spec.num_blocks, max_batch, self.max_model_len, graphs)
+        verifier = SpecSampler(sampler, config.speculative.synthetic_acceptance_rate)
+        spec = SpecStep(self.draw, verifier, self.draft, self.model.compute_logits, self.upload)
+        spec.mtp = self.mtp
+        return spec
 
     # the plain draw's sampler and grammar-mask filler (new grammar states come from it)
     sampler = _OfDraw()
@@ -144,9 +150,12 @@ class ModelRunner:
         file. Then, with tensor parallelism, the model is wrapped so each forward and logits
         computation reaches every rank."""
         manager = None
-        if config.enable_lora:
-            layers = wrap_model(self.model, config.max_loras, config.max_lora_rank)
-            manager = LoRAManager(config, self.model_config, layers, self.dtype)
+        if config.enable_lora or self.mtp_head is not None:
+            layers = mtp_setup.lora_layers(self.model, config, self.mtp_head, self.dtype)
+            self.mtp_lora_slot = len(layers[0].lora_a) - 1  # the last slot: the gate's, with MTP
+            manager = (
+                LoRAManager(config, self.model_config, layers, self.dtype) if config.enable_lora else None
+            )
         if self.tp is not None:
             tp = self.tp
             if manager is not None:
@@ -172,7 +181,16 @@ class ModelRunner:
             self._profile_activation_bytes(),
             extra_block_bytes=self.draft.kv_spec(1).bytes_per_block if self.draft else 0,
         )
-        self.kv_caches = allocate_kv_cache(self.kv_spec, self.device)
+        self.mtp: MtpStep | None = None
+        scratch = 0
+        if self.mtp_head is not None:  # mask tokens' K/V go to blocks past the pool
+            self.kv_spec, scratch = mtp_setup.scratch_blocks(config, self.kv_spec)
+            first, k = self.kv_spec.num_blocks * self.block_size, config.speculative.num_speculative_tokens
+            slot, size = self.mtp_lora_slot, scratch * self.block_size
+            self.mtp = MtpStep(self.model, self.mtp_head, k, slot, first, size, self.upload)
+        self.kv_caches = allocate_kv_cache(
+            replace(self.kv_spec, num_blocks=self.kv_spec.num_blocks + scratch), self.device
+        )
         if self.tp is not None:
             self.tp.allocate_kv(self.kv_spec.num_blocks)
         attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
@@ -205,10 +223,15 @@ class ModelRunner:
             graphs, self.mixed_graphs = capture_sets(*args)
         else:  # every rank captures the same graphs (tensor parallelism: engine/runner/tp_model.py)
             graphs, self.mixed_graphs = capture_on_all_ranks(self.tp, *args)
-        count = sum(len(g.graphs) for g in [*graphs.values(), self.mixed_graphs] if g is not None)
+        logged = dict(graphs)  # the MTP steps' graphs are the MTP step's, never forward_batch's
+        if self.mtp is not None:
+            self.mtp.graphs = logged[self.mtp.graphs_q] = mtp_setup.capture_graphs(
+                self.model, self.mtp_head, *args[1:]
+            )
+        count = sum(len(g.graphs) for g in [*logged.values(), self.mixed_graphs] if g is not None)
         used = (free - torch.cuda.mem_get_info(self.device)[0]) / 2**20
         log.info("captured %d CUDA graphs (%s) in %.1f s, %.0f MiB", count,
-                 _graph_summary(graphs, self.mixed_graphs), time.perf_counter() - start, used)  # fmt: skip
+                 _graph_summary(logged, self.mixed_graphs), time.perf_counter() - start, used)  # fmt: skip
         return graphs
 
     def shutdown(self) -> None:
@@ -226,16 +249,20 @@ class ModelRunner:
         `prev`'s sampled ids; if its draw reads host state (out.draw_late), it is a DeferredSample. A
         step with proposals is verified (self.spec) instead: a PendingSpec."""
         self._copy_blocks(out.block_copies)
-        batch = build_batch(out, self.block_size)
+        batch = build_batch(out, self.block_size, self.mtp.scratch if self.mtp is not None else 0)
         if self.lora is not None:
             batch.lora_slots = self.lora.token_slots(out.chunks, out.active_loras)
         proposals = self.spec.propose(out, batch) if self.spec is not None else None
-        fed_back = self._fed_back(out, prev)
-        draft_ids = None if proposals is None else proposals.draft_ids
-        hidden = forward_batch(
-            self.model, self.graphs_by_q, self.upload, batch, self.block_size, fed_back, draft_ids,
-            self.mixed_graphs,
-        )  # fmt: skip
+        if batch.mask_rows:  # gated-LoRA MTP chunks: eager, with their masks (engine/runner/mtp_step.py)
+            batch.lora_slots = self.mtp.lora_rows(out.chunks, batch, batch.lora_slots)
+            hidden = self.mtp.forward(batch, self.block_size)
+        else:
+            fed_back = self._fed_back(out, prev)
+            draft_ids = None if proposals is None else proposals.draft_ids
+            hidden = forward_batch(
+                self.model, self.graphs_by_q, self.upload, batch, self.block_size, fed_back, draft_ids,
+                self.mixed_graphs,
+            )  # fmt: skip
         scores = None
         if out.prompt_logprob_chunks:  # prompt logprobs: only steps with a request that asks
             plan = prompt_logprob_rows(out, batch)

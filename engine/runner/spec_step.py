@@ -19,6 +19,7 @@ import torch
 
 from engine.device.uploader import Uploader
 from engine.runner.draft_runner import DraftOutput, DraftRunner
+from engine.runner.mtp_step import MtpStep
 from engine.runner.plain_draw import PlainDraw
 from engine.runner.step_inputs import StepBatch
 from engine.sampling.rows import SamplingRow
@@ -49,6 +50,7 @@ class SpecStep:
     ):
         self.draw, self.verifier, self.proposer = draw, verifier, proposer
         self.compute_logits, self.upload = compute_logits, upload
+        self.mtp: MtpStep | None = None  # gated-LoRA MTP: the step also drafts (engine/runner/mtp_step.py)
 
     def propose(self, out: SchedulerOutput, batch: StepBatch) -> Proposals | None:
         """The step's speculating rows and their proposals; None when no chunk has any."""
@@ -77,7 +79,8 @@ class SpecStep:
             plain = self.draw.start(own, rows, scores, batch.samplers)()
         else:
             plain = self.draw.scores_only(scores)
-        return self.verifier(logits[n:], _spec_rows(batch, proposals), plain)
+        drafter = self.mtp.drafter(batch, hidden) if self.mtp is not None and batch.mask_rows else None
+        return self.verifier(logits[n:], _spec_rows(batch, proposals), plain, drafter)
 
 
 def _spec_rows(batch: StepBatch, proposals: Proposals) -> SpecRows:

@@ -52,6 +52,10 @@ class StepBatch:
     spec_logit_rows: list[int] = field(default_factory=list)
     spec_draft_rows: list[int] = field(default_factory=list)
     lora_slots: list[int] | None = None  # each row's LoRA adapter slot (-1: none); None: no adapter row
+    # gated-LoRA MTP chunks (engine/runner/mtp_step.py): the rows of their mask tokens (k after each real
+    # token, their K/V in scratch slots), and per speculating chunk the row of its pending token
+    mask_rows: list[int] = field(default_factory=list)
+    mtp_first: list[int] = field(default_factory=list)
 
     @property
     def is_decode(self) -> bool:
@@ -64,7 +68,8 @@ class StepBatch:
         return q if all(n == q for n in self.query_lens) else None
 
 
-def build_batch(out: SchedulerOutput, block_size: int) -> StepBatch:
+def build_batch(out: SchedulerOutput, block_size: int, scratch: int = 0) -> StepBatch:
+    """The step's rows; `scratch`: the first KV slot the mask tokens of gated-LoRA MTP chunks write."""
     b = StepBatch()
     for chunk in out.chunks:
         seq, start, end = chunk.seq, chunk.start, chunk.start + chunk.num_tokens
@@ -76,13 +81,15 @@ def build_batch(out: SchedulerOutput, block_size: int) -> StepBatch:
             b.input_ids.append(seq.token_ids[start] if start < len(seq.token_ids) else 0)
             b.positions.append(start)
             b.slot_mapping.append(blocks[start // block_size] * block_size + start % block_size)
+        elif chunk.num_draft and seq.mask_tokens:
+            _add_mtp_chunk(b, chunk, block_size, scratch)
         elif chunk.num_draft:
             _add_spec_chunk(b, chunk, block_size)
         else:
             b.input_ids += seq.token_ids[start:end]
             b.positions += range(start, end)
             b.slot_mapping += slots(blocks, range(start, end), block_size)
-        b.query_lens.append(chunk.num_tokens)
+        b.query_lens.append(chunk.num_tokens * (1 + seq.mask_tokens) if chunk.num_draft else chunk.num_tokens)
         b.seq_lens.append(end)
         b.block_tables.append(blocks)
         if chunk.num_draft:
@@ -114,6 +121,26 @@ def _add_spec_chunk(b: StepBatch, chunk, block_size: int) -> None:
     b.spec_num_draft.append(d)
     b.spec_logit_rows += range(first, first + d + 1)
     b.spec_draft_rows += range(first + 1, first + d + 1)
+
+
+def _add_mtp_chunk(b: StepBatch, chunk, block_size: int, scratch: int) -> None:
+    """A gated-LoRA MTP chunk: [x0, m1..mk, x1, m1..mk, ..., xd, m1..mk], x0 the pending token and x1..xd
+    the proposals (0 where padded). x_j sits at position start + j in its KV slot; its masks m_i at
+    start + j + i write scratch slots (no position of the sequence) and get their input vectors and the
+    gated LoRA from the runner. Only the x_j rows are scored."""
+    seq, start, d, k = chunk.seq, chunk.start, chunk.num_draft, chunk.seq.mask_tokens
+    real = [seq.token_ids[start], *seq.draft, *[0] * (d - len(seq.draft))]
+    real_slots = slots(seq.table.blocks, range(start, start + d + 1), block_size)
+    b.mtp_first.append(len(b.input_ids))
+    for j, (token, slot) in enumerate(zip(real, real_slots)):
+        row, free = len(b.input_ids), scratch + len(b.mask_rows)
+        b.input_ids += [token] + [0] * k
+        b.positions += range(start + j, start + j + k + 1)
+        b.slot_mapping += [slot, *range(free, free + k)]
+        b.spec_logit_rows.append(row)
+        b.mask_rows += range(row + 1, row + k + 1)
+    b.spec_samplers.append(seq)
+    b.spec_num_draft.append(d)
 
 
 @dataclass

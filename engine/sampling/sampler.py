@@ -46,6 +46,7 @@ class SampleResult:
     prompt: tuple[list[tuple], list[float], list[list[int]], list[list[float]]] | None = None
     # speculative decoding: the tokens each speculating row emits (engine/spec/sampler.py), else None
     spec_tokens: list[list[int]] | None = None
+    spec_drafts: list[list[int]] | None = None  # gated-LoRA MTP: each speculating row's next drafts
 
 
 @dataclass

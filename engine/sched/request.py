@@ -71,6 +71,9 @@ class Sequence:
     lookahead: int = 0
     draft: list[int] = field(default_factory=list)
     spec: Any = None
+    # gated-LoRA MTP: mask tokens after each real token of its next decode chunk (they cost compute, not
+    # KV positions: the step's token budget counts (1 + lookahead) * (1 + mask_tokens))
+    mask_tokens: int = 0
     num_prompt: int = field(init=False)  # a plain attribute: read for every token on the hot path
 
     def __post_init__(self) -> None:

@@ -92,13 +92,14 @@ class Scheduler:
                 return 0
         self._add_chunk(seq, n, out, d)
         scheduled.add(seq.seq_id)
-        return n
+        return n * (1 + seq.mask_tokens) if d else n
 
     def _draft_slots(self, seq: Sequence, budget: int) -> int:
         """Positions for the sequence's proposals (seq.lookahead, set by the speculator) after its one
-        pending token: all of them or none, and never at the price of a preemption or of the budget."""
+        pending token: all of them or none, and never at the price of a preemption or of the budget
+        (which counts a gated-LoRA MTP chunk's mask tokens too)."""
         d = seq.lookahead
-        if not d or seq.num_pending != 1 or not seq.prompt_done or budget < 1 + d:
+        if not d or seq.num_pending != 1 or not seq.prompt_done or budget < (1 + d) * (1 + seq.mask_tokens):
             return 0
         return d if self.bm.can_append(seq.table, seq.num_computed, 1 + d) else 0
 

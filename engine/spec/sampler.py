@@ -16,6 +16,7 @@ The step's one sync copies the argmaxes, the sampled rows' tokens and a draft mo
 
 from __future__ import annotations
 
+import itertools
 import random
 from dataclasses import dataclass
 
@@ -69,10 +70,11 @@ class PendingSpec(EnqueuedDraw):
     """A step's draws: its plain rows (a PendingSample or None) and its speculating rows, copies to the
     host enqueued; `resolve` waits for them and returns a SampleResult with `spec_tokens` set."""
 
-    def __init__(self, plain, spec: SpecRows, argmax, sampled, synthetic: float | None, rng):
+    def __init__(self, plain, spec: SpecRows, argmax, sampled, synthetic: float | None, rng, drafts=None):
         self.plain, self.spec, self.synthetic, self.rng = plain, spec, synthetic, rng
         self.sampled = plain.sampled if plain is not None else None
-        tensors = [argmax]
+        self.has_drafts = drafts is not None  # gated-LoRA MTP: the next step's drafts [rows, k]
+        tensors = [argmax] + ([drafts] if self.has_drafts else [])
         if spec.host_drafts is None:
             tensors.append(spec.draft_tokens)
         if sampled is not None:
@@ -91,6 +93,8 @@ class PendingSpec(EnqueuedDraw):
             self._event.synchronize()
         host = [t.tolist() for t in self._host]
         argmax = host.pop(0)
+        if self.has_drafts:
+            result.spec_drafts = host.pop(0)
         drafts = self.spec.host_drafts if self.spec.host_drafts is not None else host.pop(0)
         if self.synthetic is not None:  # benchmarks: every row, sampled or not, by the coin alone
             alpha, rng = self.synthetic, self.rng
@@ -125,8 +129,11 @@ class SpecSampler:
         self.rng = random.Random(0)
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, spec: SpecRows, plain: PendingSample | None) -> PendingSpec:
-        """logits [sum(d_i + 1), V]: each speculating row's positions in order."""
+    def __call__(
+        self, logits: torch.Tensor, spec: SpecRows, plain: PendingSample | None, drafter=None
+    ) -> PendingSpec:
+        """logits [sum(d_i + 1), V]: each speculating row's positions in order. `drafter` (gated-LoRA
+        MTP): (kept proposals [rows], the token after them [rows]) on the device -> next drafts."""
         sampled_rows = [i for i, r in enumerate(spec.rows) if not r.params.greedy]
         processors = not all(_no_processor(r.params) for r in spec.rows)
         # per-position rows only where something reads them: the common greedy step needs none
@@ -136,7 +143,30 @@ class SpecSampler:
             logits = self.sampler.apply_processors(logits.float(), per_pos)
         argmax = ops.argmax(logits)
         sampled = self._verify_sampled(logits, raw, spec, per_pos, sampled_rows) if sampled_rows else None
-        return PendingSpec(plain, spec, argmax, sampled, self.synthetic, self.rng)
+        drafts = None if drafter is None else drafter(*self._outcome(argmax, spec, sampled))
+        return PendingSpec(plain, spec, argmax, sampled, self.synthetic, self.rng, drafts)
+
+    def _outcome(self, argmax: torch.Tensor, spec: SpecRows, sampled) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per speculating row, on the device and before the host hears of it: how many host proposals
+        it keeps and the token it emits after them (greedy: the longest prefix agreeing with the argmax,
+        then the argmax; sampled: verify's). With a synthetic rate the host decides later: 0 kept."""
+        upload, width = self.sampler.upload.values, max(spec.positions) + 1
+        starts = itertools.accumulate([p + 1 for p in spec.positions[:-1]], initial=0)
+        index = [s + min(j, p) for s, p in zip(starts, spec.positions) for j in range(width)]
+        am = argmax.index_select(0, upload("mtp_argmax", index, torch.long)).view(-1, width)
+        if self.synthetic is None and width > 1:
+            host = [t for d in spec.host_drafts for t in [*d, *[-1] * (width - 1 - len(d))]]  # -1: no match
+            agree = am[:, :-1] == upload("mtp_drafts", host, torch.long).view(-1, width - 1)
+            accepted = agree.long().cumprod(1).sum(1)
+        else:
+            accepted = torch.zeros(am.shape[0], dtype=torch.long, device=am.device)
+        bonus = am.gather(1, accepted[:, None]).squeeze(1)
+        if sampled is not None:
+            num_accepted, tokens, rows = sampled
+            at = upload("mtp_sampled", rows, torch.long)
+            accepted = accepted.index_copy(0, at, num_accepted)
+            bonus = bonus.index_copy(0, at, tokens.gather(1, num_accepted[:, None]).squeeze(1))
+        return accepted, bonus
 
     def _position_rows(self, spec: SpecRows) -> list[SamplingRow]:
         """One SamplingRow per scored position; its history holds the proposals before it (only built

@@ -33,6 +33,10 @@ class SpecState:
     proposed: int = 0
     accepted: int = 0
     off: bool = False  # stopped for low acceptance: plain decoding from now on
+    # gated-LoRA MTP: the drafts the last verified step made, valid while the sequence holds exactly
+    # mtp_for tokens (they follow its last token); any other token count means they are stale
+    mtp_drafts: list[int] | None = None
+    mtp_for: int = -1
 
 
 class Speculator:
@@ -40,6 +44,10 @@ class Speculator:
         self.config = config
         self.k = config.num_speculative_tokens
         self.max_model_len = max_model_len
+        self.mtp = config.method == "gated_lora_mtp"
+        # positions past the pending token a chunk may reach: its k proposals, and with MTP the k mask
+        # tokens after the last of them
+        self.reach = 2 * self.k if self.mtp else self.k
         # spec_forced_cuts: verified chunks whose tokens after a forced one (budget forcing, a tool) were
         # dropped, their positions having scored a history the sequence does not have
         self.stats = {
@@ -56,7 +64,7 @@ class Speculator:
         return seq.spec
 
     def batch_off(self, running: list[Sequence]) -> bool:
-        limit = self.config.disable_by_batch_size
+        limit = self.config.batch_limit
         return limit is not None and len(running) > limit
 
     def eligible(self, seq: Sequence) -> bool:
@@ -68,8 +76,10 @@ class Speculator:
             and seq.grammar is None
             and params.logprobs is None
             and (seq.spec is None or not seq.spec.off)
-            and seq.num_tokens + self.k <= self.max_model_len
+            and seq.num_tokens + self.reach <= self.max_model_len
             and params.max_tokens - seq.num_output >= 2
+            # the MTP gate is one LoRA slot per row: an adapter's request decodes plainly
+            and not (self.mtp and seq.request.lora_request is not None)
         )
 
     def idle(self, running: list[Sequence]) -> bool:
@@ -81,11 +91,13 @@ class Speculator:
         off = self.batch_off(running)
         chosen = []
         for seq in running:
-            seq.lookahead, seq.draft = 0, []
+            seq.lookahead, seq.draft, seq.mask_tokens = 0, [], 0
             if not off and self.eligible(seq):
                 chosen.append(seq)
                 if self.config.method == "ngram":
                     seq.draft = self._ngram(seq)
+                elif self.mtp:
+                    seq.draft, seq.mask_tokens = self._mtp(seq), self.k
         if self.config.method == "ngram" and not any(s.draft for s in chosen):
             return  # no lookup matched: a plain decode step
         # k positions each, padded past the proposals: every speculating row of the step then has the
@@ -98,17 +110,35 @@ class Speculator:
         if state.ngram is None:
             state.ngram = NgramIndex(cfg.prompt_lookup_max, cfg.prompt_lookup_min)
         k = min(self.k, seq.request.params.max_tokens - seq.num_output - 1)
-        draft = state.ngram.propose(seq.token_ids, k)
-        if cfg.synthetic_acceptance_rate is not None:  # benchmarks: always k positions to verify
+        return self._padded(seq, state.ngram.propose(seq.token_ids, k), k)
+
+    def _mtp(self, seq: Sequence) -> list[int]:
+        """The drafts the previous step's mask tokens made for this sequence, while still valid (none
+        after prefill, a preemption, forced tokens or a plain step: its chunk then only drafts)."""
+        state = self.state(seq)
+        k = min(self.k, seq.request.params.max_tokens - seq.num_output - 1)
+        draft = state.mtp_drafts[:k] if state.mtp_drafts and state.mtp_for == seq.num_tokens else []
+        state.mtp_drafts = None
+        return self._padded(seq, draft, k)
+
+    def _padded(self, seq: Sequence, draft: list[int], k: int) -> list[int]:
+        if self.config.synthetic_acceptance_rate is not None:  # benchmarks: always k positions to verify
             draft = draft + [seq.token_ids[-1]] * (k - len(draft))
         return draft
+
+    def keep_drafts(self, seq: Sequence, last: int, drafts: list[int]) -> None:
+        """MTP: store the drafts a verified step made after `last`, its final emitted token, if that is
+        still the sequence's last token (nothing was forced after it)."""
+        if seq.token_ids and seq.token_ids[-1] == last:
+            state = self.state(seq)
+            state.mtp_drafts, state.mtp_for = drafts, seq.num_tokens
 
     def record(self, seq: Sequence, positions: int, num_accepted: int, cut: bool = False) -> None:
         """Count one verified chunk of `positions` scored proposal positions (n-gram: seq.draft are the
         real proposals among them, the rest padding) whose first `num_accepted` proposals stand in the
         sequence (`cut`: verified tokens after a forced one were dropped); stop the sequence speculating
         when its acceptance does not pay."""
-        num_draft = len(seq.draft) if self.config.method == "ngram" else positions
+        num_draft = positions if self.config.method == "draft_model" else len(seq.draft)
         state, stats = self.state(seq), self.stats
         state.proposed += num_draft
         state.accepted += num_accepted

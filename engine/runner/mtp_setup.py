@@ -1,0 +1,73 @@
+"""Setting up a runner for gated-LoRA MTP (speculative_config method gated_lora_mtp): its head, the
+LoRA slot of its gate, and scratch KV blocks past the pool for the mask tokens (engine/runner/mtp_step.py
+runs the steps)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from engine.config import EngineConfig
+from engine.lora.layers import LoRALinear, wrap_model
+from engine.runner.graph_sets import max_graph_batch
+from engine.runner.kv_cache import KVCacheSpec
+from engine.runner.mtp_step import MtpGraphs
+from engine.spec.mtp_head import MtpHead, load_mtp_head, load_mtp_lora
+
+
+def load_head(config: EngineConfig, model_config, dtype: torch.dtype, device, tp) -> MtpHead | None:
+    """The checked head of an MTP engine, else None."""
+    spec = config.speculative
+    if spec is None or spec.method != "gated_lora_mtp":
+        return None
+    if tp is not None:
+        raise ValueError(
+            "speculative_config.method: gated_lora_mtp runs with tensor_parallel_size 1; use ngram or "
+            "draft_model with tensor parallelism, or set tensor_parallel_size 1"
+        )
+    return load_mtp_head(spec.model, model_config, spec.num_speculative_tokens, dtype, device)
+
+
+def lora_layers(model, config: EngineConfig, head: MtpHead | None, dtype: torch.dtype) -> list[LoRALinear]:
+    """LoRA layers with the adapters' slots (enable_lora: max_loras) and, with a head, one slot more,
+    the last, holding its gate's adapter."""
+    slots = (config.max_loras if config.enable_lora else 0) + (head is not None)
+    rank = max(config.max_lora_rank if config.enable_lora else 0, head.source.lora_rank if head else 0)
+    layers = wrap_model(model, slots, rank)
+    if head is not None:
+        modules = load_mtp_lora(head.source, dtype).modules
+        for layer in layers:
+            layer.load_slot(slots - 1, modules)
+    return layers
+
+
+def scratch_tokens(k: int, max_num_seqs: int, max_num_batched_tokens: int, batch_cut: int | None) -> int:
+    """Scratch KV slots the mask tokens of one step may need: k (k + 1) per MTP chunk, whose (k + 1)^2
+    rows count against the step's token budget, for at most max_num_seqs (or the batch cut-off) chunks."""
+    chunks = min(max_num_seqs, batch_cut or max_num_seqs, max_num_batched_tokens // (k + 1) ** 2)
+    return max(chunks, 1) * k * (k + 1)
+
+
+def scratch_blocks(config: EngineConfig, kv_spec: KVCacheSpec) -> tuple[KVCacheSpec, int]:
+    """(the pool the block manager gets, scratch blocks after it): with a pool sized to memory the
+    scratch comes out of it, an explicit num_blocks stays whole."""
+    spec, sched = config.speculative, config.scheduler
+    k = spec.num_speculative_tokens
+    tokens = scratch_tokens(k, sched.max_num_seqs, sched.max_num_batched_tokens, spec.batch_limit)
+    blocks = -(-tokens // kv_spec.block_size)
+    if config.cache.num_blocks is None:
+        kv_spec = replace(kv_spec, num_blocks=kv_spec.num_blocks - blocks)
+    return kv_spec, blocks
+
+
+def capture_graphs(
+    model, head: MtpHead, config: EngineConfig, device, dtype, max_model_len: int, hidden: int
+):
+    """The MTP steps' graphs, batch sizes up to the batch cut-off (above it nobody speculates)."""
+    spec, size = config.speculative, config.cache.block_size
+    top = max_graph_batch(config)
+    graphs = MtpGraphs(model, head, spec.num_speculative_tokens, device, min(top, spec.batch_limit or top),
+                       -(-max_model_len // size), size, hidden, dtype)  # fmt: skip
+    graphs.capture()
+    return graphs

@@ -1,0 +1,151 @@
+"""The gated-LoRA MTP step (speculative_config method gated_lora_mtp): one forward verifies each
+speculating sequence's proposals and drafts its next ones.
+
+A speculating chunk is packed as [x0, m1..mk, x1, m1..mk, ..., xd, m1..mk] (engine/runner/step_inputs.py):
+real tokens x_j (the pending token, then the proposals) at their positions, each followed by k mask
+tokens. What this module adds around the model's forward:
+  * visibility: x_j is ordinary causal; m_i after x_j sees the cache up to x_j and m_1..m_i of its own
+    group, whose K/V sit in scratch slots past the block pool (TokenVisibility);
+  * inputs: mask rows take the head's mask embeddings instead of a token's;
+  * the gate: mask rows run the gated LoRA (its own slot), real rows never do, so the target's logits
+    at real rows are the base model's;
+  * drafting: once verification has decided, on the device, how many proposals a row keeps (a) and the
+    token after them (the bonus), the masks of group a turn into the next k drafts through the sampler
+    head, each conditioned on the token before it (the bonus, then the previous draft).
+Steps whose every chunk is a full MTP chunk replay MtpGraphs (by batch size); other steps with MTP
+chunks run eagerly; steps without take the engine's usual graphs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from engine.device.uploader import Uploader
+from engine.models.attention_context import TokenVisibility, attention_context
+from engine.runner.cuda_graph import DecodeGraphs
+from engine.runner.step_inputs import StepBatch, pack, table_width, unpack
+from engine.spec.mtp_head import MtpHead
+
+
+def visibility_arrays(batch: StepBatch, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(ctx_lens, local_start, local_len) of every row: causal rows see their position and before; each
+    mask row m_i sees what its real token sees plus the i masks of its group up to itself."""
+    ctx = np.asarray(batch.positions, dtype=np.int32) + 1
+    local_start = np.zeros_like(ctx)
+    local_len = np.zeros_like(ctx)
+    masks = np.asarray(batch.mask_rows, dtype=np.int64)
+    offset = np.tile(np.arange(1, k + 1, dtype=np.int32), len(masks) // k)  # i of each mask row m_i
+    group = masks - offset  # the row of its real token
+    ctx[masks] = ctx[group]
+    local_start[masks] = group + 1
+    local_len[masks] = offset
+    return ctx, local_start, local_len
+
+
+class MtpStep:
+    """The gated-LoRA MTP pieces of a runner: its head, the gate's slot, the scratch slots."""
+
+    def __init__(
+        self, model, head: MtpHead, k: int, lora_slot: int, scratch: int, capacity: int, upload: Uploader
+    ):
+        self.model, self.head, self.k, self.lora_slot = model, head, k, lora_slot
+        self.scratch, self.capacity = scratch, capacity  # first scratch slot, scratch slots
+        self.upload = upload
+        self.graphs: MtpGraphs | None = None  # captured on a GPU unless enforce_eager
+        self.graphs_q = (k + 1) ** 2  # the query length of a full MTP chunk
+
+    def lora_rows(self, chunks: list, batch: StepBatch, adapter_rows: list[int] | None) -> list[int]:
+        """Each row's LoRA slot: the gate's on mask rows, -1 on real rows of MTP chunks (their
+        requests have no adapter), the request's adapter elsewhere (`adapter_rows`: the LoRA manager's,
+        one entry per scheduled token, None when no chunk has an adapter)."""
+        rows = np.full(len(batch.input_ids), -1, dtype=np.int32)
+        if adapter_rows is not None:
+            src = dst = 0
+            for chunk, q in zip(chunks, batch.query_lens):
+                if q == chunk.num_tokens:  # not an MTP chunk: its rows are its tokens
+                    rows[dst : dst + q] = adapter_rows[src : src + q]
+                src, dst = src + chunk.num_tokens, dst + q
+        rows[batch.mask_rows] = self.lora_slot
+        return rows.tolist()
+
+    def forward(self, batch: StepBatch, block_size: int) -> torch.Tensor:
+        """The step's hidden rows, with the masks' visibility, input vectors and gate: a captured graph
+        when every chunk is a full MTP chunk, else eagerly."""
+        if self.graphs is not None and self.graphs.fits(batch):
+            return self.graphs.run(batch, self.upload)
+        if len(batch.mask_rows) > self.capacity:
+            raise RuntimeError(f"{len(batch.mask_rows)} mask rows exceed the {self.capacity} scratch slots")
+        n, width = len(batch.seq_lens), table_width(batch)
+        i64, i32 = pack(batch, n, width)
+        i64, i32 = self.upload("i64", i64), self.upload("i32", i32)
+        ids, pos, meta = unpack(i64, i32, batch, n, width, block_size, mixed=batch.uniform_q is None)
+        ctx, start, length = (torch.from_numpy(a) for a in visibility_arrays(batch, self.k))
+        meta.visibility = TokenVisibility(
+            self.upload("vis_ctx", ctx), self.upload("vis_start", start), self.upload("vis_len", length), pos
+        )
+        rows = self.upload.values("mask_rows", batch.mask_rows, torch.long)
+        index = self.upload.values(
+            "mask_index", list(range(self.k)) * (len(batch.mask_rows) // self.k), torch.long
+        )
+        meta.embed_rows = (rows, self.head.mask_embedding(index))
+        with attention_context(meta):
+            return self.model(ids, pos)
+
+    def drafter(self, batch: StepBatch, hidden: torch.Tensor):
+        """The drafting of this step, for SpecSampler: (accepted [R], bonus [R]) on the device -> the
+        next drafts [R, k] of the R speculating chunks."""
+        model, first = self.model, self.upload.values("mtp_first", batch.mtp_first, torch.long)
+        columns = torch.arange(self.k, device=hidden.device)
+
+        def draft(accepted: torch.Tensor, bonus: torch.Tensor) -> torch.Tensor:
+            m1 = first + accepted * (self.k + 1) + 1  # the row of m_1 after the last kept real token
+            masks = hidden.index_select(0, (m1[:, None] + columns).reshape(-1)).view(len(m1), self.k, -1)
+            prev, out = bonus, []
+            for i in range(self.k):
+                prev = self.head.draft(masks[:, i], prev, model.embed, model.compute_logits)
+                out.append(prev)
+            return torch.stack(out, dim=1)
+
+        return draft
+
+
+class MtpGraphs(DecodeGraphs):
+    """CUDA graphs by batch size for steps whose every chunk is an MTP chunk with k proposals: (k + 1)^2
+    rows each, [x0, m1..mk, x1, m1..mk, ...]. The layout is the same in every such step, so the mask
+    rows, their input vectors, their local ranges and the gate's slots are fixed per bucket; the cache
+    bound of each row comes from the positions in the graph (its real token's position + 1), and
+    padding rows (slot -1) see nothing."""
+
+    lora = True  # the gate's slot on mask rows, from the step's lora_slots buffer
+
+    def __init__(self, model, head: MtpHead, k: int, device, max_batch: int, width: int, block_size: int,
+                 hidden_size: int, dtype: torch.dtype):  # fmt: skip
+        q = (k + 1) ** 2
+        super().__init__(model, device, max_batch, width, block_size, hidden_size, dtype, q)
+        self.head, self.k = head, k
+        row = torch.arange(max_batch * q, device=device)
+        offset = row % (k + 1)  # i of mask row m_i; 0 on real rows
+        self.group = row - offset  # each row's real token
+        self.local_start = torch.where(offset > 0, self.group + 1, 0).to(torch.int32)
+        self.local_len = offset.to(torch.int32)
+        self.mask_rows = row[offset > 0]
+        self.mask_vectors_index = offset[offset > 0] - 1
+
+    def _forward(self, key: int, shape: StepBatch) -> None:
+        i64, i32 = self.inputs[key]
+        args = (key, self.width, self.block_size, self.pad_q, None, False, True)
+        ids, pos, meta = unpack(i64, i32, shape, *args)
+        n, masks = ids.shape[0], key * self.k * (self.k + 1)
+        live = (meta.slot_mapping >= 0).to(torch.int32)
+        ctx = (pos.index_select(0, self.group[:n]) + 1).to(torch.int32) * live
+        meta.visibility = TokenVisibility(ctx, self.local_start[:n], self.local_len[:n] * live, pos)
+        vectors = self.head.mask_embedding(self.mask_vectors_index[:masks])
+        meta.embed_rows = (self.mask_rows[:masks], vectors)
+        with attention_context(meta):
+            self.hidden[:n] = self.model(ids, pos)
+
+    def fits(self, batch: StepBatch) -> bool:
+        """Every chunk of the step is an MTP chunk with k proposals, and a bucket holds them."""
+        n = len(batch.seq_lens)
+        return len(batch.mask_rows) == n * self.k * (self.k + 1) and self.bucket(n) is not None

@@ -1,0 +1,233 @@
+"""Self-speculation with a gated LoRA (speculative_config method gated_lora_mtp) through the whole engine.
+
+* Greedy: the mixed batch of test_spec_engine (prompt lengths, shared prefixes, n=2, chunked prefill
+  beside speculating rows, a pool small enough to preempt) emits exactly what plain decoding emits, with
+  the random head of scripts/make_mtp (its drafts are almost never right) and with an oracle drafter
+  that proposes the plain run's own continuation with some tokens corrupted (acceptances, rejections
+  mid-chunk, and the KV of accepted proposals kept). The audit is clean afterwards.
+* The gate: at the real rows of an MTP chunk, hidden states are bit-identical with the gated LoRA on
+  and off; at the mask rows they differ.
+* Drafting: the drafts of every verified chunk equal a recompute written another way: the sequence up to
+  its last kept real token followed by k mask rows as one causal sequence without a KV cache (no
+  visibility rule, no scratch slots), then the sampler head token by token from the bonus token.
+* Sampling (temperature 1, top-k 3): the first position verified against a real proposal is the third
+  output token; the triple (t0, t1, t2) of N seeded requests follows the target's exact distribution
+  (transformers, float64), by Pearson's chi-square test at false-alarm rate 1e-4; with the acceptance
+  rule broken (every proposal accepted) the same test fails.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from engine.models.attention_context import AttentionMetadata, attention_context
+from engine.sampling_params import SamplingParams
+from scripts.make_mtp import write_mtp_dir
+from tests.stats import chi_square_p
+from tests.test_spec_engine import SCENARIOS, generate, make_llm, mixed_batch
+
+pytestmark = pytest.mark.engine
+K = 3
+ALPHA = 1e-4
+TOP_K = 3  # 27 cells of (t0, t1, t2): each expects ~22 of the N samples
+N_SAMPLES = 600
+
+
+@pytest.fixture(scope="module")
+def mtp_dir(tiny_model_dir, tmp_path_factory):
+    return write_mtp_dir(tmp_path_factory.mktemp("mtp") / "head", tiny_model_dir, num_mask_tokens=4, rank=8)
+
+
+def mtp(mtp_dir, **kw) -> dict:
+    return {"method": "gated_lora_mtp", "num_speculative_tokens": K, "model": str(mtp_dir), **kw}
+
+
+def with_drafts(llm, future) -> None:
+    """Replace the engine's drafts by future(seq, kept proposals, bonus token) -> k ids (the head still
+    runs); the proposals of the next step are then whatever `future` says."""
+    step = llm.engine.runner.mtp
+    real = step.drafter
+
+    def drafter(batch, hidden):
+        inner, seqs = real(batch, hidden), list(batch.spec_samplers)
+
+        def draft(accepted, bonus):
+            inner(accepted, bonus)
+            rows = [future(s, a, b) for s, a, b in zip(seqs, accepted.tolist(), bonus.tolist())]
+            return torch.tensor(rows, dtype=torch.long)
+
+        return draft
+
+    step.drafter = drafter
+
+
+@pytest.fixture(scope="module")
+def plain_runs(tiny_model_dir):
+    vocab = json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"]
+    prompts, params = mixed_batch(vocab)
+    runs = {s: generate(make_llm(tiny_model_dir, **kw), prompts, params) for s, kw in SCENARIOS.items()}
+    return prompts, params, runs, vocab
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+@pytest.mark.parametrize("drafts", ["head", "oracle"])
+def test_greedy_matches_plain_decoding(tiny_model_dir, mtp_dir, plain_runs, drafts, scenario):
+    prompts, params, plain, vocab = plain_runs
+    llm = make_llm(tiny_model_dir, mtp(mtp_dir, disable_below_acceptance=0.0), **SCENARIOS[scenario])
+    if drafts == "oracle":
+        full = {tuple(p): p + out[0] for p, out in zip(prompts, plain[scenario])}
+        rng = random.Random(3)
+
+        def future(seq, kept, bonus):
+            at = seq.num_computed + kept + 2  # the index the first draft will take
+            ids = (full[tuple(seq.request.prompt_ids)][at : at + K] + [0] * K)[:K]
+            return [(t + 1) % vocab if rng.random() < 0.2 else t for t in ids]
+
+        with_drafts(llm, future)
+    got = generate(llm, prompts, params)
+    assert got == plain[scenario]
+    stats = llm.engine.get_stats()
+    assert stats["spec_verify_rows"] > 0 and stats["prefix_cache_hit_rate"] > 0
+    if drafts == "oracle":  # most proposals right, some not: both paths taken, often within one chunk
+        assert 0.3 * stats["spec_draft_tokens"] < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]
+    if scenario == "preempt":
+        assert stats["num_preemptions"] > 0
+
+
+def test_the_gate_leaves_real_rows_bit_identical(tiny_model_dir, mtp_dir):
+    llm = make_llm(tiny_model_dir, mtp(mtp_dir, disable_below_acceptance=0.0), block_size=4)
+    step, seen = llm.engine.runner.mtp, []
+    forward = step.forward
+
+    def both(batch, block_size):
+        hidden = forward(batch, block_size).clone()
+        slots = batch.lora_slots
+        batch.lora_slots = [-1] * len(slots)  # the same step with the gate closed everywhere
+        off = forward(batch, block_size).clone()
+        batch.lora_slots = slots
+        seen.append((batch.mask_rows, hidden, off))
+        return hidden
+
+    step.forward = both
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    llm.generate([list(range(5, 30)), [9, 8, 7, 6]], params)
+    assert len(seen) > 3
+    for masks, on, off in seen:
+        real = [r for r in range(on.shape[0]) if r not in set(masks)]
+        assert torch.equal(on[real], off[real])
+        assert not torch.allclose(on[masks], off[masks])
+
+
+def reference_drafts(model, head, slot: int, tokens: list[int], bonus: int) -> list[int]:
+    """The k drafts after `tokens` (the sequence up to its last kept real token) and `bonus`, from a
+    cache-free causal forward of tokens + k mask rows."""
+    n = len(tokens)
+    ids = torch.tensor(tokens + [0] * K)
+    meta = AttentionMetadata.for_full_sequences([n + K])
+    meta.lora_slots = torch.tensor([-1] * n + [slot] * K, dtype=torch.int32)
+    meta.embed_rows = (torch.arange(n, n + K), head.mask_embeddings[:K])
+    with torch.inference_mode(), attention_context(meta):
+        hidden = model(ids, torch.arange(n + K))[n:]
+        prev, out = torch.tensor([bonus]), []
+        for i in range(K):
+            prev = head.draft(hidden[i : i + 1], prev, model.embed, model.compute_logits)
+            out.append(int(prev))
+    return out
+
+
+def test_drafts_equal_a_causal_recompute(tiny_model_dir, mtp_dir):
+    llm = make_llm(tiny_model_dir, mtp(mtp_dir, disable_below_acceptance=0.0), block_size=4)
+    runner, checked = llm.engine.runner, []
+
+    def future(seq, kept, bonus):
+        tokens = seq.token_ids[: seq.num_computed + 1] + seq.draft[:kept]
+        want = reference_drafts(runner.model, runner.mtp_head, runner.mtp_lora_slot, tokens, bonus)
+        checked.append(want)
+        return want  # the engine's own drafts are compared in `inner` below
+
+    step, real = runner.mtp, runner.mtp.drafter
+
+    def drafter(batch, hidden):
+        inner, seqs = real(batch, hidden), list(batch.spec_samplers)
+
+        def draft(accepted, bonus):
+            got = inner(accepted, bonus)
+            rows = [future(s, a, b) for s, a, b in zip(seqs, accepted.tolist(), bonus.tolist())]
+            assert got.tolist() == rows
+            return got
+
+        return draft
+
+    step.drafter = drafter
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    llm.generate([list(range(40, 70)), [3, 1, 4, 1, 5], list(range(7, 19))], params)
+    assert len(checked) >= 9
+
+
+@pytest.fixture(scope="module")
+def target_triples(tiny_model_dir):
+    """(prompt, {(t0, t1, t2): p}, {(t0, t1): argmax t2}) at temperature 1, top-k 3, from transformers."""
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float64).eval()
+
+    @torch.no_grad()
+    def top(ids: list[int]) -> tuple[list[int], list[float]]:
+        vals, idx = hf(torch.tensor([ids])).logits[0, -1].topk(TOP_K + 1)
+        assert vals[TOP_K - 1] - vals[TOP_K] > 1e-5, "a near tie at the top-k cut: change the prompt"
+        return idx[:TOP_K].tolist(), vals[:TOP_K].softmax(-1).tolist()
+
+    prompt, table, best = [77, 5, 1000, 42], {}, {}
+    for t0, p0 in zip(*top(prompt)):
+        for t1, p1 in zip(*top(prompt + [t0])):
+            t2s, p2s = top(prompt + [t0, t1])
+            best[t0, t1] = t2s[0]
+            table.update({(t0, t1, t2): p0 * p1 * p2 for t2, p2 in zip(t2s, p2s)})
+    return prompt, table, best
+
+
+def sampled_triples(tiny_model_dir, mtp_dir, prompt, best) -> tuple[dict, dict]:
+    llm = make_llm(
+        tiny_model_dir,
+        mtp(mtp_dir, disable_below_acceptance=0.0),
+        max_num_seqs=N_SAMPLES,
+        max_waiting=N_SAMPLES,
+        max_num_batched_tokens=N_SAMPLES * (len(prompt) + (K + 1) ** 2),
+    )
+    # t2's proposal: the target's argmax there, accepted often but not always at temperature 1
+    with_drafts(llm, lambda seq, kept, bonus: [best.get((seq.token_ids[-1], bonus), 0)] + [0] * (K - 1))
+    # 4 tokens: a request speculates only with at least 2 left to draw
+    params = [SamplingParams(max_tokens=4, top_k=TOP_K, seed=i, ignore_eos=True) for i in range(N_SAMPLES)]
+    counts: dict[tuple, int] = {}
+    for (tokens,) in generate(llm, [prompt] * N_SAMPLES, params):
+        counts[tuple(tokens[:3])] = counts.get(tuple(tokens[:3]), 0) + 1
+    return counts, llm.engine.get_stats()
+
+
+def test_third_token_follows_the_target(tiny_model_dir, mtp_dir, target_triples):
+    prompt, table, best = target_triples
+    counts, stats = sampled_triples(tiny_model_dir, mtp_dir, prompt, best)
+    assert set(counts) <= set(table), "a triple outside the target's top-k support"
+    cells = list(table)
+    p = chi_square_p([counts.get(c, 0) for c in cells], [N_SAMPLES * table[c] for c in cells])
+    assert p > ALPHA, f"chi-square p = {p:.2e}"
+    assert 0.1 * N_SAMPLES < stats["spec_accepted_tokens"] < N_SAMPLES
+
+
+def test_a_broken_acceptance_rule_fails_the_same_test(tiny_model_dir, mtp_dir, target_triples, monkeypatch):
+    import engine.spec.sampler as spec_sampler
+
+    verify = spec_sampler.verify
+
+    def accept_all(probs, x, num_draft, q, greedy, u):
+        return verify(probs, x, num_draft, q, greedy, torch.zeros_like(u))  # u = 0: every proposal passes
+
+    monkeypatch.setattr(spec_sampler, "verify", accept_all)
+    prompt, table, best = target_triples
+    counts, _ = sampled_triples(tiny_model_dir, mtp_dir, prompt, best)
+    cells = list(table)
+    p = chi_square_p([counts.get(c, 0) for c in cells], [N_SAMPLES * table[c] for c in cells])
+    assert p < ALPHA, f"chi-square p = {p:.2e}"
