@@ -62,7 +62,7 @@ def scratch_blocks(config: EngineConfig, kv_spec: KVCacheSpec) -> tuple[KVCacheS
 
 
 def capture_graphs(
-    model, head: MtpHead, config: EngineConfig, device, dtype, max_model_len: int, hidden: int
+    model, head: MtpHead, device, dtype, config: EngineConfig, max_model_len: int, hidden: int
 ):
     """The MTP steps' graphs, batch sizes up to the batch cut-off (above it nobody speculates)."""
     spec, size = config.speculative, config.cache.block_size
