@@ -2,12 +2,12 @@
 
 A verified token that budget forcing replaces (or after which a tool forces its result) is the last
 token its chunk keeps: the positions verified after it scored a history the sequence does not have.
-* Greedy rows, and sampled rows at top_k=1 (the device verification path, deterministic): n-gram and
-  draft-model speculation emit exactly the tokens and masks of the same engine without speculation,
-  on a prompt that ends in a cycle of the target's own greedy text holding the suppress token, so that
-  proposals carry it and verified tokens follow it (`spec_forced_cuts` > 0: the cut is exercised).
-  With the target as its own draft every chunk not cut accepts all its proposals: the draft's KV
-  mirror stays consistent across cuts.
+* Greedy rows, and sampled rows at top_k=1 (the device verification path, deterministic): n-gram,
+  draft-model and gated-LoRA MTP speculation (its drafts by lookup) emit exactly the tokens and masks
+  of the same engine without speculation, on a prompt that ends in a cycle of the target's own greedy
+  text holding the suppress token, so that proposals carry it and verified tokens follow it
+  (`spec_forced_cuts` > 0: the cut is exercised). With the target as its own draft every chunk not
+  cut accepts all its proposals: the draft's KV mirror stays consistent across cuts.
 * Sampled rows (temperature 0.5, top-k 3): no suppress token before the budget, and every sampled
   token lies in the target's top 3 given the sequence's actual history (a naive full recompute).
 * The calculator: a python-end marker put into a verified chunk by hand gets its result forced, and
@@ -31,9 +31,11 @@ K = 2
 MAX_TOKENS, MIN_TOKENS = 48, 40
 
 
-def make_llm(model_dir, method: str | None = None) -> LLM:
+def make_llm(model_dir, method: str | None = None, mtp_dir=None) -> LLM:
     spec = None
-    if method == "ngram":
+    if method == "mtp":  # gated-LoRA MTP; its drafts: see lookup_drafts
+        spec = {"method": "gated_lora_mtp", "model": str(mtp_dir), "num_speculative_tokens": K}
+    elif method == "ngram":
         spec = {
             "method": "ngram",
             "num_speculative_tokens": K,
@@ -91,14 +93,36 @@ def forcing(suppress: str, **kw) -> SamplingParams:
 MODES = {"greedy": dict(temperature=0.0), "top1": dict(temperature=1.0, top_k=1, seed=3)}
 
 
+@pytest.fixture(scope="module")
+def mtp_dir(tiny_model_dir, tmp_path_factory):
+    from scripts.make_mtp import write_mtp_dir
+
+    return write_mtp_dir(tmp_path_factory.mktemp("mtp") / "head", tiny_model_dir, num_mask_tokens=K, rank=4)
+
+
+def lookup_drafts(llm: LLM) -> None:
+    """MTP drafts by lookup in the history the sequence will have after this step (the random head's
+    are never right): they follow the prompt's greedy cycle, suppress token included."""
+    from engine.spec.ngram import NgramIndex
+    from tests.test_spec_mtp import with_drafts
+
+    def future(seq, kept, bonus):
+        history = seq.token_ids[: seq.num_computed + 1] + seq.draft[:kept] + [bonus]
+        return (NgramIndex(4, 1).propose(history, K) + [0] * K)[:K]
+
+    with_drafts(llm, future)
+
+
 @pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("method", ["ngram", "self"])
-def test_budget_forcing_with_speculation_matches_plain(tiny_model_dir, cycle, method, mode):
+@pytest.mark.parametrize("method", ["ngram", "self", "mtp"])
+def test_budget_forcing_with_speculation_matches_plain(tiny_model_dir, cycle, mtp_dir, method, mode):
     prompts, suppress, _ = cycle
     params = forcing(suppress, **MODES[mode])
     plain = generate(make_llm(tiny_model_dir), prompts, params)
     assert all(0 in masks for _, masks in plain), "budget forcing never replaced a token"
-    llm = make_llm(tiny_model_dir, method)
+    llm = make_llm(tiny_model_dir, method, mtp_dir)
+    if method == "mtp":
+        lookup_drafts(llm)
     records = spy_records(llm)
     assert generate(llm, prompts, params) == plain
     stats = llm.engine.get_stats()

@@ -43,7 +43,9 @@ def mtp_dir(tiny_model_dir, tmp_path_factory):
 
 
 def mtp(mtp_dir, **kw) -> dict:
-    return {"method": "gated_lora_mtp", "num_speculative_tokens": K, "model": str(mtp_dir), **kw}
+    """The engine's config; every running sequence speculates (no batch cut-off) unless kw says."""
+    cfg = {"method": "gated_lora_mtp", "num_speculative_tokens": K, "model": str(mtp_dir)}
+    return {**cfg, "disable_by_batch_size": 1 << 16, **kw}
 
 
 def with_drafts(llm, future) -> None:
