@@ -233,3 +233,24 @@ def test_a_broken_acceptance_rule_fails_the_same_test(tiny_model_dir, mtp_dir, t
     cells = list(table)
     p = chi_square_p([counts.get(c, 0) for c in cells], [N_SAMPLES * table[c] for c in cells])
     assert p < ALPHA, f"chi-square p = {p:.2e}"
+
+
+def test_beside_lora_adapters_and_the_host_tier(tiny_model_dir, mtp_dir, tmp_path):
+    """An adapter's request (which decodes plainly: one LoRA slot per row) beside speculating ones, and
+    a host KV tier beside the scratch blocks: the text of the same engines without MTP."""
+    from engine.lora.request import LoRARequest
+    from tests.lora_fixtures import write_adapters
+
+    adapter = LoRARequest("a1", 1, write_adapters(tiny_model_dir, tmp_path, ["a1"], rank=8)["a1"])
+    prompts = [list(range(5, 45)), [7, 8, 9], list(range(300, 320))]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    cases = [
+        (dict(enable_lora=True, max_loras=2, max_lora_rank=8), [adapter, None, None]),
+        (dict(kv_offloading_size=0.01, num_blocks=24), None),
+    ]
+    for opts, loras in cases:
+        outs = []
+        for spec in (None, mtp(mtp_dir, disable_below_acceptance=0.0)):
+            llm = make_llm(tiny_model_dir, spec, block_size=4, **opts)
+            outs.append([r.outputs[0].token_ids for r in llm.generate(prompts, params, lora_request=loras)])
+        assert outs[0] == outs[1] and llm.engine.get_stats()["spec_verify_rows"] > 0

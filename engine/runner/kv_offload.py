@@ -78,7 +78,7 @@ class KVOffload:
         first = kv_caches[0][0]
         self.device = first.device
         # every cache as rows of bytes, one row per block (fp8 and bf16 alike)
-        self.caches = [c.view(torch.uint8).view(spec.num_blocks, -1) for pair in kv_caches for c in pair]
+        self.caches = [c.view(torch.uint8).view(c.shape[0], -1) for pair in kv_caches for c in pair]
         self.piece = self.caches[0].shape[1]
         self.block_bytes = self.piece * len(self.caches)
         self.num_slots = int(gib * 2**30) // self.block_bytes
