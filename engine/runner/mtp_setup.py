@@ -58,6 +58,11 @@ def scratch_blocks(config: EngineConfig, kv_spec: KVCacheSpec) -> tuple[KVCacheS
     blocks = -(-tokens // kv_spec.block_size)
     if config.cache.num_blocks is None:
         kv_spec = replace(kv_spec, num_blocks=kv_spec.num_blocks - blocks)
+        if kv_spec.num_blocks < 1:
+            raise ValueError(
+                f"speculative_config: gated_lora_mtp's {blocks} scratch KV blocks take the whole pool; "
+                "give the KV cache more memory, or lower num_speculative_tokens or disable_by_batch_size"
+            )
     return kv_spec, blocks
 
 
