@@ -29,7 +29,8 @@ format: .venv/.installed
 LONG_TESTS := tests/test_hardening.py::test_soak_2min_w2 tests/test_serving_chaos.py \
 	tests/test_serving_scaleout.py::test_prefix_routing_keeps_the_single_replica_hit_rate \
 	tests/test_serving_scaleout.py::test_autoscaling_adds_a_replica_under_load_and_drains_it_when_the_load_ends \
-	tests/test_kv_offload_serving.py::test_the_benchmark_smoke_serves_w4_with_the_tier_off_and_on
+	tests/test_kv_offload_serving.py::test_the_benchmark_smoke_serves_w4_with_the_tier_off_and_on \
+	tests/test_serving_scaleout.py::test_losing_a_replica_loses_no_request_that_had_not_started_streaming
 
 test: .venv/.installed lint $(MODEL_DIR)/config.json
 	$(PY) -m pytest -q -p no:cacheprovider tests $(addprefix --deselect ,$(LONG_TESTS))

@@ -63,9 +63,8 @@ class TokenSink:
         """Append the received ids: token-level work only."""
         result = received.result if received is not None else None
         if result is not None and result.spec_tokens is not None:
-            self.accept(
-                out, result.spec_tokens, result.spec_drafts
-            )  # before update_computed: it hashes their blocks
+            # before update_computed: it hashes their blocks
+            self.accept(out, result.spec_tokens, result.spec_drafts)
         self.scheduler.update_computed(out)
         if result is None:
             return
