@@ -42,6 +42,22 @@ def _random(seed: int, name: str, shape: tuple[int, int], std: float) -> torch.T
     return torch.randn(shape, generator=gen) * std
 
 
+def lora_tensors(
+    shapes: ModuleShapes, modules: list[str], rank: int, seed: int, b_std: float, salt: str = ""
+) -> dict[str, torch.Tensor]:
+    """Random LoRA pairs under peft's tensor names on `modules` of every layer: A ~ N(0, 1/in), B ~
+    N(0, b_std^2); `salt` keeps another writer's draws apart from these."""
+    tensors = {}
+    for layer in range(shapes.num_layers):
+        for module in modules:
+            in_f, out_f = shapes.shapes[module]
+            block = "self_attn" if module in ATTN_MODULES else "mlp"
+            base = f"base_model.model.model.layers.{layer}.{block}.{module}"
+            tensors[f"{base}.lora_A.weight"] = _random(seed, f"{salt}{base}.A", (rank, in_f), in_f**-0.5)
+            tensors[f"{base}.lora_B.weight"] = _random(seed, f"{salt}{base}.B", (out_f, rank), b_std)
+    return tensors
+
+
 def adapter_config(model_dir: Path, rank: int, alpha: float, targets: list[str], use_rslora: bool) -> dict:
     """adapter_config.json as peft writes it for a causal-LM LoRA."""
     return {
@@ -67,14 +83,7 @@ def make_lora(
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     names = parse_targets(targets)
     shapes = ModuleShapes.of(config_from_dir(model_dir))
-    tensors = {}
-    for layer in range(shapes.num_layers):
-        for module in names:
-            in_f, out_f = shapes.shapes[module]
-            block = "self_attn" if module in ATTN_MODULES else "mlp"
-            base = f"base_model.model.model.layers.{layer}.{block}.{module}"
-            tensors[f"{base}.lora_A.weight"] = _random(seed, f"{base}.A", (rank, in_f), in_f**-0.5)
-            tensors[f"{base}.lora_B.weight"] = _random(seed, f"{base}.B", (out_f, rank), B_STD)
+    tensors = lora_tensors(shapes, names, rank, seed, B_STD)
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.to(TORCH_DTYPES[dtype]).contiguous() for k, v in tensors.items()}
     save_file(tensors, str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})

@@ -23,10 +23,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from engine.lora.adapter import ATTN_MODULES, SUPPORTED_MODULES, ModuleShapes
+from engine.lora.adapter import SUPPORTED_MODULES, ModuleShapes
 from engine.models.config import ModelConfig
 from engine.models.registry import config_from_dict, config_from_dir
 from engine.spec import mtp_head
+from scripts import make_lora
 from scripts.make_lora import adapter_config
 from scripts.make_model import NORM_STD, TORCH_DTYPES, tensor_seed
 from scripts.model_shapes import SPECS, ModelSpec, hf_config
@@ -68,15 +69,7 @@ def target(model: str | Path | ModelSpec) -> tuple[ModelConfig, str, float, str]
 
 def lora_tensors(shapes: ModuleShapes, rank: int, seed: int) -> dict[str, torch.Tensor]:
     """A rank-`rank` LoRA on all seven projections of every layer, under peft's tensor names."""
-    tensors = {}
-    for layer in range(shapes.num_layers):
-        for module in SUPPORTED_MODULES:
-            in_f, out_f = shapes.shapes[module]
-            block = "self_attn" if module in ATTN_MODULES else "mlp"
-            base = f"base_model.model.model.layers.{layer}.{block}.{module}"
-            tensors[f"{base}.lora_A.weight"] = _random(seed, f"mtp.{base}.A", (rank, in_f), in_f**-0.5)
-            tensors[f"{base}.lora_B.weight"] = _random(seed, f"mtp.{base}.B", (out_f, rank), B_STD)
-    return tensors
+    return make_lora.lora_tensors(shapes, list(SUPPORTED_MODULES), rank, seed, B_STD, salt="mtp.")
 
 
 def head_tensors(
