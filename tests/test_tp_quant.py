@@ -265,17 +265,25 @@ def test_engine_tp2_greedy_equals_tp1_block_fp8(checkpoints):
 @pytest.mark.parametrize("fmt", ["fp8-block", "int8", "fp8-channel", "fp8-tensor", "online-fp8"])
 @pytest.mark.parametrize("lens", [PROMPT_LENS, [1]], ids=["batch", "one-row"])  # qgemm, qgemv
 def test_cuda_kernels_on_shards(checkpoints, monkeypatch, fmt, lens):
-    """The Triton kernels on each rank's shapes (bf16, two thread ranks on one GPU) against TP=1 on the
-    same GPU: the statistical bounds (bf16 rounding and rank-local activation scales)."""
+    """The Triton kernels on each rank's shapes (bf16, two thread ranks on one GPU) and TP=1 on the same
+    GPU, both against the same quantised model in float32 on the CPU: sharding (rank-local activation
+    scales, another summation order) may add no more error than bf16 kernels make at TP=1 (twice
+    their mean |delta logprob| over the exact top 20, and one more top-1 flip at most)."""
     online = fmt == "online-fp8"
     path = checkpoints(ALIGNED, None if online else fmt)
     kw = dict(quantization="fp8" if online else None, device="cuda", dtype="bfloat16", lens=lens)
     ours, models = sharded(path, 2, monkeypatch, **kw)
     assert parallel_kinds(models[0]) == QUANT_KINDS
-    ref = whole(path, **kw)
-    if lens == [1]:  # a single prompt: top-1 of one row and the top-20 mean
-        top = ref.topk(20, dim=-1).indices
-        assert ours.argmax(-1).tolist() == ref.argmax(-1).tolist()
-        assert (ours.gather(1, top) - ref.gather(1, top)).abs().mean().item() <= 0.05
-    else:
-        assert_close_in_distribution(ours, ref)
+    exact = whole(path, quantization=kw["quantization"], lens=lens)
+    assert exact.exp().max(dim=-1).values.mean() > 0.05  # far from uniform: top-1 means something
+    (tp1_delta, tp1_flips), (tp2_delta, tp2_flips) = (off_exact(x, exact) for x in (whole(path, **kw), ours))
+    assert tp2_delta <= 2 * tp1_delta + 0.01, (tp2_delta, tp1_delta)
+    assert tp2_flips <= tp1_flips + 1, (tp2_flips, tp1_flips)
+
+
+def off_exact(x: torch.Tensor, exact: torch.Tensor) -> tuple[float, int]:
+    """(mean |delta logprob| over exact's top 20 per row, rows whose top-1 differs from exact's)."""
+    x = x.cpu().double()
+    top = exact.topk(20, dim=-1).indices
+    delta = (x.gather(1, top) - exact.double().gather(1, top)).abs().mean().item()
+    return delta, int((x.argmax(-1) != exact.argmax(-1)).sum())
