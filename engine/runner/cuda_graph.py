@@ -172,14 +172,19 @@ def forward_batch(
         return g.run(batch, upload, fed_back, draft_ids)
     if mixed is not None and mixed.bucket(len(batch.input_ids), n) is not None:
         return mixed.run(batch, upload, fed_back, draft_ids)
-    width = table_width(batch)
-    i64, i32 = pack(batch, n, width)
-    i64, i32 = upload("i64", i64), upload("i32", i32)
-    split = batch.uniform_q is None  # the same attention kernels as a mixed graph
-    input_ids, positions, meta = unpack(i64, i32, batch, n, width, block_size, mixed=split)
+    input_ids, positions, meta = eager_inputs(batch, upload, block_size)
     if fed_back is not None:
         input_ids[: fed_back.shape[0]].copy_(fed_back)  # a step scheduled ahead: its first rows
     if draft_ids is not None:
         input_ids.index_copy_(0, *draft_ids)
     with attention_context(meta):
         return model(input_ids, positions)
+
+
+def eager_inputs(batch: StepBatch, upload: Uploader, block_size: int):
+    """(input_ids, positions, metadata) of an eager step on the device, from its two packed buffers; a
+    batch of mixed query lengths takes the same attention kernels as a mixed graph."""
+    n, width = len(batch.seq_lens), table_width(batch)
+    i64, i32 = pack(batch, n, width)
+    i64, i32 = upload("i64", i64), upload("i32", i32)
+    return unpack(i64, i32, batch, n, width, block_size, mixed=batch.uniform_q is None)

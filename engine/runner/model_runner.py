@@ -151,8 +151,7 @@ class ModelRunner:
         computation reaches every rank."""
         manager = None
         if config.enable_lora or self.mtp_head is not None:
-            layers = mtp_setup.lora_layers(self.model, config, self.mtp_head, self.dtype)
-            self.mtp_lora_slot = len(layers[0].lora_a) - 1  # the last slot: the gate's, with MTP
+            layers, self.mtp_lora_slot = mtp_setup.lora_layers(self.model, config, self.mtp_head, self.dtype)
             manager = (
                 LoRAManager(config, self.model_config, layers, self.dtype) if config.enable_lora else None
             )

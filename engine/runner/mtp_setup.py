@@ -29,9 +29,11 @@ def load_head(config: EngineConfig, model_config, dtype: torch.dtype, device, tp
     return load_mtp_head(spec.model, model_config, spec.num_speculative_tokens, dtype, device)
 
 
-def lora_layers(model, config: EngineConfig, head: MtpHead | None, dtype: torch.dtype) -> list[LoRALinear]:
-    """LoRA layers with the adapters' slots (enable_lora: max_loras) and, with a head, one slot more,
-    the last, holding its gate's adapter."""
+def lora_layers(
+    model, config: EngineConfig, head: MtpHead | None, dtype: torch.dtype
+) -> tuple[list[LoRALinear], int]:
+    """(LoRA layers, the gate's slot): the adapters' slots (enable_lora: max_loras) and, with a head, one
+    slot more, the last, holding its gate's adapter."""
     slots = (config.max_loras if config.enable_lora else 0) + (head is not None)
     rank = max(config.max_lora_rank if config.enable_lora else 0, head.source.lora_rank if head else 0)
     layers = wrap_model(model, slots, rank)
@@ -39,7 +41,7 @@ def lora_layers(model, config: EngineConfig, head: MtpHead | None, dtype: torch.
         modules = load_mtp_lora(head.source, dtype).modules
         for layer in layers:
             layer.load_slot(slots - 1, modules)
-    return layers
+    return layers, slots - 1
 
 
 def scratch_tokens(k: int, max_num_seqs: int, max_num_batched_tokens: int, batch_cut: int | None) -> int:

@@ -23,8 +23,8 @@ import torch
 
 from engine.device.uploader import Uploader
 from engine.models.attention_context import TokenVisibility, attention_context
-from engine.runner.cuda_graph import DecodeGraphs
-from engine.runner.step_inputs import StepBatch, pack, table_width, unpack
+from engine.runner.cuda_graph import DecodeGraphs, eager_inputs
+from engine.runner.step_inputs import StepBatch, unpack
 from engine.spec.mtp_head import MtpHead
 
 
@@ -76,10 +76,7 @@ class MtpStep:
             return self.graphs.run(batch, self.upload)
         if len(batch.mask_rows) > self.capacity:
             raise RuntimeError(f"{len(batch.mask_rows)} mask rows exceed the {self.capacity} scratch slots")
-        n, width = len(batch.seq_lens), table_width(batch)
-        i64, i32 = pack(batch, n, width)
-        i64, i32 = self.upload("i64", i64), self.upload("i32", i32)
-        ids, pos, meta = unpack(i64, i32, batch, n, width, block_size, mixed=batch.uniform_q is None)
+        ids, pos, meta = eager_inputs(batch, self.upload, block_size)
         ctx, start, length = (torch.from_numpy(a) for a in visibility_arrays(batch, self.k))
         meta.visibility = TokenVisibility(
             self.upload("vis_ctx", ctx), self.upload("vis_start", start), self.upload("vis_len", length), pos
