@@ -2,6 +2,9 @@
 
     python -m benchmarks.decode_profile --model llama-3.1-8b --batch 1 --prompt 128 --out DIR
     python -m benchmarks.decode_profile --model qwen3-0.6b --batch 256 --prompt 512 --out DIR
+    python -m benchmarks.decode_profile --model llama-3.1-8b --batch 1 --tp 2 --out DIR
+
+With --tp > 1 the trace is rank 0's: a collective kernel's time includes its wait for the other ranks.
 
 It drives `LLM.engine.step()` on `batch` requests until every one of them is decoding, times
 `--steps` decode steps by wall clock, then records the same number of steps under torch.profiler.
@@ -207,6 +210,7 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/reports")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--format", default="bf16", help="weights: bf16, fp8-block, fp8-channel or int8")
+    parser.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
     args = parser.parse_args()
 
     from benchmarks.quant_decode import FORMATS, checkpoint, weight_bytes
@@ -216,18 +220,21 @@ def main() -> None:
         parser.error(f"--format must be one of {', '.join(FORMATS)}")
     path, opts = checkpoint(args.model, args.format, Path(args.ckpt_dir))
     llm = LLM(str(path), dtype="bfloat16", max_num_seqs=max(args.batch, 8), enforce_eager=args.enforce_eager,
-              gpu_memory_utilization=0.85, enable_prefix_caching=False, **opts)  # fmt: skip
+              gpu_memory_utilization=0.85, enable_prefix_caching=False, tensor_parallel_size=args.tp,
+              **opts)  # fmt: skip
     walls, kernels, device_us = profile(llm, args.batch, args.prompt, args.steps)
     summary = summarise(kernels, args.steps, 1e6 * statistics.median(walls))
     summary["device_step_us"] = device_us
     step_bytes = weight_bytes(llm.engine.runner.model)[1]
     title = args.model if args.format == "bf16" else f"{args.model} ({args.format})"
+    title += "" if args.tp == 1 else f", TP={args.tp} (rank 0)"
     md = to_markdown(title, args.batch, args.prompt, summary, step_bytes)
     print(md)
     out = Path(args.out)
     stem = f"decode_profile_{args.model}_b{args.batch}" + ("" if args.format == "bf16" else f"_{args.format}")
+    stem += "" if args.tp == 1 else f"_tp{args.tp}"
     record = {"model": args.model, "format": args.format, "batch": args.batch, "prompt": args.prompt,
-              "steps": args.steps, "summary": summary, "env": environment()}  # fmt: skip
+              "steps": args.steps, "tp": args.tp, "summary": summary, "env": environment()}  # fmt: skip
     write_json(out / f"{stem}.json", record)
     (out / f"{stem}.md").write_text(md)
 
