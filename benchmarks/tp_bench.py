@@ -142,19 +142,20 @@ def run_job(args, tp: int, one_shot: bool, device: dict) -> dict | None:
 
 
 def summarize(runs: list[dict], table: list[dict], cfg: dict) -> list[dict]:
-    base = next(r for r in runs if r["tp"] == 1)
+    """Per run: its figures, and against TP=1 where TP=1 ran (a model too large for one GPU has none)."""
+    base = next((r for r in runs if r["tp"] == 1), None)
     rows = []
     for r in runs:
         row = {
             "tp": r["tp"],
             "one_shot": r["one_shot"],
-            "top1_vs_tp1": agreement(r["top1_batch"], base["top1_batch"]),
+            "top1_vs_tp1": None if base is None else agreement(r["top1_batch"], base["top1_batch"]),
         }
         for fig, batch in (("a", 1), ("b", 64)):
             f = r[fig]
             row[fig] = {
                 "tok_s": f["tok_s"],
-                "speedup": f["tok_s"] / base[fig]["tok_s"],
+                "speedup": None if base is None else f["tok_s"] / base[fig]["tok_s"],
                 "pct_of_roofline": f["pct_of_roofline"],
                 "roofline_tok_s": f["roofline"]["tok_s"],
                 "step_ms_p50": f["step_ms_p50"],
@@ -174,7 +175,7 @@ def render(report: dict) -> str:
         f"Command: `{report['command']}`",
         "",
         f"Teacher-forced top-1, TP=1 one prompt at a time against TP=1 in one batch: "
-        f"{100 * report['top1_tp1_alone_vs_batch']:.2f}%",
+        f"{_pct(report['top1_tp1_alone_vs_batch'])}",
         "",
         "| TP | all-reduce | (a) tok/s | x TP=1 | % roofline | step ms "
         "| all-reduce ms/step (NCCL / one-shot) | (b) tok/s | x TP=1 | % roofline "
@@ -186,12 +187,17 @@ def render(report: dict) -> str:
         for fig in ("a", "b"):
             f, ar = r[fig], r[fig]["allreduce"]
             ar_text = "-" if ar is None else f"{_ms(ar['nccl_ms'])} / {_ms(ar['one_shot_ms'])}"
-            cells += [f"{f['tok_s']:,.1f}", f"{f['speedup']:.2f}", f"{f['pct_of_roofline']:.1f}"]
+            speedup = "-" if f["speedup"] is None else f"{f['speedup']:.2f}"
+            cells += [f"{f['tok_s']:,.1f}", speedup, f"{f['pct_of_roofline']:.1f}"]
             cells += [f"{f['step_ms_p50']:.2f}"] if fig == "a" else []
             cells += [ar_text]
-        cells.append(f"{100 * r['top1_vs_tp1']:.2f}%")
+        cells.append(_pct(r["top1_vs_tp1"]))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{100 * v:.2f}%"
 
 
 def _ms(v: float | None) -> str:
@@ -204,7 +210,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tp", default="1,2")
     ap.add_argument("--allreduce", default="benchmarks/reports/gpu/tp_allreduce.json")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
-    ap.add_argument("--nccl-only", action="store_true", help="TP > 1 once, NCCL only (no one-shot run)")
+    ap.add_argument("--paths", default="one-shot,nccl", help="all-reduce paths to run at TP > 1, in order")
     ap.add_argument("--job-timeout-s", type=float, default=300)
     ap.add_argument("--out", default="benchmarks/reports/gpu/tp_bench")
     ap.add_argument("--job", help=argparse.SUPPRESS)  # internal: "TP,ONE_SHOT" run in this process
@@ -218,21 +224,24 @@ def main(argv: list[str] | None = None) -> None:
     cfg = json.loads((Path(args.model) / "config.json").read_text())
     device = measure_device()
     runs = []
+    paths = [p.strip() for p in args.paths.split(",")]
+    if not paths or set(paths) - {"one-shot", "nccl"}:
+        ap.error("--paths: a comma-separated list of one-shot and nccl")
     for tp in (int(t) for t in args.tp.split(",")):
-        for one_shot in [True] if tp == 1 else [False] if args.nccl_only else [True, False]:
+        for one_shot in [True] if tp == 1 else [p == "one-shot" for p in paths]:
             if (run := run_job(args, tp, one_shot, device)) is not None:
                 runs.append(run)
                 a, b = run["a"]["tok_s"], run["b"]["tok_s"]
                 print(f"tp={tp} one_shot={one_shot}: (a) {a:.1f} (b) {b:.1f} tok/s", flush=True)
     path = Path(args.allreduce)
     table = json.loads(path.read_text())["rows"] if path.exists() else []
-    base = next(r for r in runs if r["tp"] == 1)
+    base = next((r for r in runs if r["tp"] == 1), None)
     report = {
         "env": environment(),
         "device": device,
         "model_name": Path(args.model).name,
         "command": "python -m benchmarks.tp_bench " + " ".join(argv or sys.argv[1:]),
-        "top1_tp1_alone_vs_batch": agreement(base["top1_alone"], base["top1_batch"]),
+        "top1_tp1_alone_vs_batch": base and agreement(base["top1_alone"], base["top1_batch"]),
         "rows": summarize(runs, table, cfg),
         "runs": [{k: v for k, v in r.items() if not k.startswith("top1")} for r in runs],
     }

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from benchmarks.structured_cases import REGEXES, SCHEMAS
+from engine.device import cpus
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.structured import process as grammar_process
@@ -115,16 +116,17 @@ def test_retired_requests_free_their_matchers(tiny_model_dir, monkeypatch):
 def test_split_cpus_gives_the_child_whole_cores_and_is_stable(monkeypatch):
     """16 CPUs as 8 cores of two hyperthreads (i, i + 8): the child gets whole cores at the end, a
     second engine's child the same ones, and the calling thread is never pinned."""
-    monkeypatch.setattr(grammar_process, "_ALLOWED", frozenset(range(16)))
+    monkeypatch.setattr(cpus, "ALLOWED", frozenset(range(16)))
     pinned = []
     monkeypatch.setattr(grammar_process.os, "sched_setaffinity", lambda pid, cpus: pinned.append(set(cpus)))
     topology = "/sys/devices/system/cpu/cpu{}/topology/thread_siblings_list"
     siblings = {topology.format(c): f"{c % 8},{c % 8 + 8}" for c in range(16)}
-    monkeypatch.setattr(grammar_process.Path, "read_text", lambda self: siblings[str(self)])
+    monkeypatch.setattr(cpus.Path, "read_text", lambda self: siblings[str(self)])
     assert grammar_process.split_cpus(2) == grammar_process.split_cpus(2) == [6, 7, 14, 15]
     assert grammar_process.split_cpus(64) == [4, 5, 6, 7, 12, 13, 14, 15]  # at most half the cores
     assert pinned == []
-    monkeypatch.setattr(grammar_process, "_ALLOWED", frozenset(range(3)))
+    assert cpus.last_cores(1, skip=2) == [5, 13]  # a tensor-parallel worker (engine/runner/tp_group.py)
+    monkeypatch.setattr(cpus, "ALLOWED", frozenset(range(3)))
     assert grammar_process.split_cpus(2) is None  # under four cores: nothing pinned
 
 

@@ -30,7 +30,7 @@ import torch
 from safetensors import safe_open
 
 from engine import LLM, SamplingParams
-from engine.models import loader, parallel, quant_parallel
+from engine.models import loader, parallel
 from engine.models.attention_context import AttentionMetadata, attention_context
 from engine.models.loader import load_model
 from engine.models.parallel import Shard
@@ -122,7 +122,6 @@ def sharded(
     """(log-probabilities, each rank's model) of the checkpoint split over `size` thread ranks."""
     group = ThreadGroup(size)
     monkeypatch.setattr(parallel, "all_reduce", group.all_reduce)
-    monkeypatch.setattr(quant_parallel, "all_reduce", group.all_reduce)
     models = [load_model(path, dtype, device, False, quantization, Shard(r, size))[0] for r in range(size)]
     lens = kw.get("lens", PROMPT_LENS)
     with prompts_context(lens, device):

@@ -12,6 +12,11 @@ every peer has finished reading it. The kernel reads peers' memory directly; it 
 multicast (no multimem operation is called, and the group's processes run with multicast switched
 off, see engine/runner/tp_group.NO_MULTICAST).
 
+Where a row-parallel projection feeds the next RMSNorm (every plain decoder layer), the all-reduce, the
+residual add and the norm are one kernel for messages the fused path takes (`reduce_add_rms_norm`,
+kernels/triton_allreduce_norm.py): it saves the norm's launch and one of the one-shot kernel's two
+barriers, and, launched with PDL, lets the next GEMV start streaming its weights while it waits.
+
 `install` runs once per process, right after the group forms, on every rank in the same order: the
 symmetric buffer's rendezvous is itself a collective.
 """
@@ -55,17 +60,67 @@ class OneShot:
         return torch.ops.symm_mem.one_shot_all_reduce_copy_out(shared, x, "sum", self.group_name, out)
 
 
+class FusedAddNorm:
+    """Symmetric memory for kernels/triton_allreduce_norm.py: two slots of `max_bytes` per rank, the
+    flags every peer signals into, and this rank's epoch per program."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, max_bytes: int):
+        import torch.distributed._symmetric_memory as symm_mem
+
+        from kernels.triton_allreduce_norm import MAX_ROWS
+
+        group = dist.group.WORLD
+        self.dtype, self.slot_elems, self.max_rows = dtype, max_bytes // dtype.itemsize, MAX_ROWS
+        data = symm_mem.empty(2 * self.slot_elems, dtype=dtype, device=device)
+        flags = symm_mem.empty(MAX_ROWS * group.size(), dtype=torch.int64, device=device)
+        flags.zero_()
+        self.data, self.flags = _peer_views(data, group), _peer_views(flags, group)
+        self.rank = group.rank()
+        self.epochs = torch.zeros(MAX_ROWS, dtype=torch.int64, device=device)
+        torch.cuda.synchronize(device)
+        dist.barrier()  # every rank's flags are zero before any peer can signal into them
+
+    def fits(self, x: torch.Tensor) -> bool:
+        rows = x.numel() // x.shape[-1]
+        small = rows <= self.max_rows and x.numel() <= self.slot_elems
+        return small and x.dtype == self.dtype and x.is_contiguous() and x.shape[-1] % 16 == 0
+
+    def __call__(self, partial, residual, weight, eps, weight_offset):
+        from kernels.triton_allreduce_norm import allreduce_add_rms_norm
+
+        shape = partial.shape
+        rows = partial.reshape(-1, shape[-1]), residual.reshape(-1, shape[-1]).contiguous()
+        symm = (self.data, self.flags, self.epochs, self.rank)
+        out, res = allreduce_add_rms_norm(*rows, weight, eps, weight_offset, *symm)
+        return out.view(shape), res.view(shape)
+
+
+def _peer_views(tensor: torch.Tensor, group) -> list[torch.Tensor]:
+    """Every rank's copy of symmetric `tensor` as this process maps it, by rank (a collective)."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    handle = symm_mem.rendezvous(tensor, group)
+    shape, dtype = tuple(tensor.shape), tensor.dtype
+    return [
+        tensor if r == handle.rank else handle.get_buffer(r, shape, dtype) for r in range(handle.world_size)
+    ]
+
+
 _one_shot: OneShot | None = None
+_fused: FusedAddNorm | None = None
 
 
 def install(device: torch.device, dtype: torch.dtype, enabled: bool) -> None:
     """Set up this process's small-message path (a collective: every rank calls it, in step)."""
-    global _one_shot
-    _one_shot = None
+    global _one_shot, _fused
+    _one_shot = _fused = None
     if not enabled or device.type != "cuda" or dtype not in ONE_SHOT_DTYPES:
         return
     _one_shot = OneShot(device, dtype, ONE_SHOT_MAX_BYTES)
-    log.info("one-shot all-reduce for messages up to %d KiB", ONE_SHOT_MAX_BYTES // 1024)
+    _fused = FusedAddNorm(device, dtype, ONE_SHOT_MAX_BYTES)
+    log.info(
+        "one-shot all-reduce for messages up to %d KiB, fused with add + RMSNorm", ONE_SHOT_MAX_BYTES // 1024
+    )
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
@@ -75,3 +130,8 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
         return _one_shot(x)
     dist.all_reduce(x)
     return x
+
+
+def fused_for(partial: torch.Tensor) -> FusedAddNorm | None:
+    """The fused all-reduce + add + RMSNorm if it takes this partial sum (engine/models/parallel.py)."""
+    return _fused if _fused is not None and _fused.fits(partial) else None

@@ -26,9 +26,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.models.all_reduce import all_reduce
+from engine.models.all_reduce import all_reduce, fused_for
 from engine.models.config import ModelConfig
-from engine.models.layers import Linear, LinearFactory, MergedLinear, _empty_param
+from engine.models.layers import Linear, LinearFactory, MergedLinear, RMSNorm, _empty_param
 from engine.models.quant_shard import check_quant_tp
 from kernels import ops
 
@@ -86,7 +86,24 @@ def local_config(cfg: ModelConfig, shard: Shard) -> ModelConfig:
     )
 
 
-class RowParallelLinear(Linear):
+class RowReduce:
+    """The all-reduce of a row-parallel projection (plain or quantised), or none where the norm that
+    follows does it (`defer_reduce`, set by `fuse_reductions`: the output is then this rank's partial
+    sum, and only that norm may read it)."""
+
+    defer_reduce = False
+    bias: torch.Tensor | None
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """The all-reduce of this rank's partial product, then the bias (a LoRA layer adds its own
+        partial product first: engine/lora/layers.py)."""
+        if self.defer_reduce:
+            return partial
+        out = all_reduce(partial)
+        return out if self.bias is None else out + self.bias
+
+
+class RowParallelLinear(RowReduce, Linear):
     """y = all_reduce(x_r W_r^T) + b: this rank's input columns; the bias is added once, after."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, column: int):
@@ -99,11 +116,42 @@ class RowParallelLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.reduce(ops.linear(x, self.weight, None))
 
-    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
-        """The all-reduce of this rank's partial product, then the bias (a LoRA layer adds its own
-        partial product first: engine/lora/layers.py)."""
-        out = all_reduce(partial)
-        return out if self.bias is None else out + self.bias
+
+class ReducingRMSNorm(RMSNorm):
+    """The norm after a deferred row-parallel projection: its add_forward all-reduces that partial sum,
+    adds the residual and normalises (one kernel where engine/models/all_reduce.py can)."""
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        fused = fused_for(x)
+        if fused is not None:
+            return fused(x, residual, self.weight, self.eps, self.weight_offset)
+        return ops.add_rms_norm(all_reduce(x), residual, self.weight, self.eps, self.weight_offset)
+
+
+def fuse_reductions(model: torch.nn.Module) -> None:
+    """Defer each bias-free row-parallel projection's all-reduce to the norm that consumes its output
+    (a plain decoder layer's o_proj -> post_attention_layernorm, down_proj -> the next layer's
+    input_layernorm or the final norm). Sandwich layers (Gemma) normalise the projection's output
+    before the residual add and keep their all-reduces."""
+    layers = list(model.model.layers)
+    if any(layer.sandwich for layer in layers):
+        return
+    nexts = [(layer, "input_layernorm") for layer in layers[1:]] + [(model.model, "norm")]
+    for layer, (owner, name) in zip(layers, nexts, strict=True):
+        for proj, norm_owner, norm_name in (
+            (layer.self_attn.o_proj, layer, "post_attention_layernorm"),
+            (layer.mlp.down_proj, owner, name),
+        ):
+            if isinstance(proj, RowReduce) and proj.bias is None:
+                proj.defer_reduce = True
+                old = getattr(norm_owner, norm_name)
+                setattr(norm_owner, norm_name, _reducing(old))
+
+
+def _reducing(norm: RMSNorm) -> ReducingRMSNorm:
+    new = ReducingRMSNorm(norm.weight.shape[0], norm.eps, norm.weight_offset)
+    new.weight = norm.weight
+    return new
 
 
 class ColumnParallelMerged(MergedLinear):
@@ -188,6 +236,7 @@ def build_parallel(
     model.model.embed_tokens = VocabParallelEmbedding(rows, cfg.hidden_size, start, real)
     if model.lm_head is not None:
         model.lm_head = VocabParallelHead(cfg.hidden_size, rows, start, real)
+    fuse_reductions(model)
     return model
 
 

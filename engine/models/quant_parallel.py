@@ -25,8 +25,7 @@ import math
 import torch
 from torch import nn
 
-from engine.models.all_reduce import all_reduce
-from engine.models.parallel import ROW_PARALLEL, ParallelLinearFactory, Shard, Slice
+from engine.models.parallel import ROW_PARALLEL, ParallelLinearFactory, RowReduce, Shard, Slice
 from engine.models.quant_config import LinearQuant, QuantConfig
 from engine.models.quant_linear import QuantLinear, QuantMergedLinear, quantizes_all
 from kernels import ops
@@ -52,7 +51,7 @@ class QuantColumnParallelMerged(QuantMergedLinear):
         return (0, start, rows)
 
 
-class QuantRowParallelLinear(QuantLinear):
+class QuantRowParallelLinear(RowReduce, QuantLinear):
     """y = all_reduce(x_r W_r^T) + b with W_r this rank's input columns of the quantised weight."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, quant: LinearQuant, column: int):
@@ -70,8 +69,7 @@ class QuantRowParallelLinear(QuantLinear):
         partial = ops.quant_linear(
             x, self.qweight, self.scale, self.row_block, None, self.scheme, self.act_quant, act_amax
         )
-        out = all_reduce(partial)
-        return out if self.bias is None else out + self.bias
+        return self.reduce(partial)
 
 
 class QuantParallelLinearFactory(ParallelLinearFactory):

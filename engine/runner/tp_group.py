@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from engine.config import EngineConfig
+from engine.device.cpus import last_cores
 from engine.device.placement import resolve_device_dtype
 from engine.models import all_reduce
 from engine.models.parallel import Shard, check_tp
@@ -40,6 +41,8 @@ from engine.runner import tp_wire
 log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parents[2]
 # NVLink multicast stays off in every process of the group: on a shared host it can take GPUs out of service.
+# Each worker on a whole core of its own, away from rank 0's step loop, which wakes it every step
+PIN_WORKERS = os.environ.get("MINSERVE_TP_PIN", "1") == "1"
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 TIMEOUT = timedelta(seconds=int(os.environ.get("MINSERVE_TP_TIMEOUT_S", "600")))  # start-up and collectives
 CLOSE_WAIT_S = 10.0
@@ -125,7 +128,8 @@ class TPGroup:
         read, write = os.pipe()
         started = threading.Event()
         cmd = [sys.executable, "-m", "engine.runner.tp_worker", str(rank), str(self.shard.size), str(port)]
-        cmd.append(str(os.getpid()))
+        cpus = last_cores(1, skip=rank - 1) if PIN_WORKERS else None  # engine/device/cpus.py says why
+        cmd += [str(os.getpid()), ",".join(map(str, cpus or []))]
 
         def keeper() -> None:
             try:

@@ -1,5 +1,5 @@
 """A tensor-parallel worker: rank r > 0 of an engine's group (started by engine/runner/tp_group.py as
-`python -m engine.runner.tp_worker RANK SIZE STORE_PORT PARENT_PID`).
+`python -m engine.runner.tp_worker RANK SIZE STORE_PORT PARENT_PID CPUS`, CPUS a comma list or empty).
 
 It loads its share of the model and its KV heads, then runs rank 0's commands (engine/runner/tp_wire.py)
 from its stdin pipe until EOF: each forward and logits computation rank 0 runs, the copy-on-write block
@@ -128,8 +128,10 @@ def _die_with_parent() -> None:
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def main(rank: int, size: int, port: int, parent_pid: int) -> int:
+def main(rank: int, size: int, port: int, parent_pid: int, cpus: str = "") -> int:
     _die_with_parent()
+    if cpus:  # before torch starts any thread: they inherit it
+        os.sched_setaffinity(0, [int(c) for c in cpus.split(",")])
     if os.getppid() != parent_pid:
         return 1  # rank 0 died before the death signal was armed
     # Ctrl-C in a terminal reaches the whole process group: rank 0 handles it, and a worker ends
@@ -157,4 +159,4 @@ def main(rank: int, size: int, port: int, parent_pid: int) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(*(int(a) for a in sys.argv[1:5])))
+    sys.exit(main(*(int(a) for a in sys.argv[1:5]), *sys.argv[5:6]))

@@ -29,6 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from engine.device.cpus import MIN_CORES, last_cores, whole_cores
+
 READY_TIMEOUT_S = 120.0  # generous: the child builds the tokenizer's token trie before it is ready
 # llguidance's pool threads in the child, and at most as many independently compiled replicas per
 # constraint. More threads shorten the child's consume and fill, which the loop does not wait for; half
@@ -149,39 +151,11 @@ def buffer_dir(size: int, shm: str = "/dev/shm") -> str | None:
     return shm if stat.f_bavail * stat.f_frsize >= 2 * size else None
 
 
-# the CPUs this process may use, read before any thread is pinned: every service splits the same set,
-# so a second engine in one process does not shrink the first one's share
-_ALLOWED = frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
-
-
 def split_cpus(threads: int) -> list[int] | None:
-    """The child's CPUs: whole cores at the end of the process's set, so that the kernel does not wake
-    it on the loop's own CPU (or that CPU's hyperthread sibling), where its fill would slow the
-    loop's Python. The loop's thread is left unpinned: threads it starts later (torch's CPU pool)
-    would inherit a narrower set than their count assumes. None (unpinned) under four cores."""
-    if _ALLOWED is None:
-        return None
-    allowed = _ALLOWED
-    cores: dict[frozenset, None] = {}
-    for cpu in sorted(allowed):
-        try:
-            text = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read_text()
-        except OSError:
-            text = str(cpu)
-        cores[frozenset(_cpu_list(text)) & allowed] = None
-    if len(cores) < 4:
-        return None
-    ours = list(cores)[-max(1, min(threads, len(cores) // 2)) :]
-    return sorted(set().union(*ours))
-
-
-def _cpu_list(text: str) -> list[int]:
-    """'0-3,8' -> [0, 1, 2, 3, 8] (the kernel's cpu list format)."""
-    cpus = []
-    for part in text.strip().split(","):
-        lo, _, hi = part.partition("-")
-        cpus.extend(range(int(lo), int(hi or lo) + 1))
-    return cpus
+    """The child's CPUs: whole cores at the end of the process's set (engine/device/cpus.py says why),
+    as many as its threads, at most half the cores. None (unpinned) under four cores."""
+    cores = len(whole_cores())
+    return None if cores < MIN_CORES else last_cores(max(1, min(threads, cores // 2)))
 
 
 # message kinds on the channel
