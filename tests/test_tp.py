@@ -29,7 +29,7 @@ from engine.models.attention_context import AttentionMetadata
 from engine.models.parallel import Shard
 from engine.runner import tp_wire
 from engine.runner.step_inputs import StepBatch, pack, unpack
-from engine.runner.tp_group import TPWorkerError, check_devices
+from engine.runner.tp_group import TPGroup, TPWorkerError, check_devices
 from engine.runner.tp_model import TPModel
 from tests.test_engine_core import Collector, wait_for
 
@@ -301,3 +301,19 @@ def test_speculation_structured_output_sampling_and_an_fp8_kv_cache_match_tp1(ti
             llm.engine.runner.shutdown()
         assert stats["spec_draft_tokens"] > 0  # speculation ran at both sizes
     assert out[2] == out[1]
+
+
+def test_each_worker_takes_the_core_of_its_gpu_across_replicas(monkeypatch):
+    """Workers are pinned one core each from the end of the CPU set, by their GPU's node-wide index:
+    two TP=2 replicas on one node (GPUs 0,1 and 2,3, each seeing its own as cuda:0 and cuda:1) never
+    pin their workers to the same core. On CPU (gloo), by rank."""
+    group = TPGroup.__new__(TPGroup)
+    group.device = torch.device("cuda", 0)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    first = group._core_slot(1)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    assert (first, group._core_slot(1)) == (1, 3)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert group._core_slot(3) == 3
+    group.device = torch.device("cpu")
+    assert [group._core_slot(r) for r in (1, 2, 3)] == [0, 1, 2]

@@ -116,11 +116,13 @@ def install(device: torch.device, dtype: torch.dtype, enabled: bool) -> None:
     _one_shot = _fused = None
     if not enabled or device.type != "cuda" or dtype not in ONE_SHOT_DTYPES:
         return
+    from kernels.triton_allreduce_norm import MAX_WORLD
+
     _one_shot = OneShot(device, dtype, ONE_SHOT_MAX_BYTES)
-    _fused = FusedAddNorm(device, dtype, ONE_SHOT_MAX_BYTES)
-    log.info(
-        "one-shot all-reduce for messages up to %d KiB, fused with add + RMSNorm", ONE_SHOT_MAX_BYTES // 1024
-    )
+    if dist.get_world_size() <= MAX_WORLD:  # every rank decides alike: the set-up is a collective
+        _fused = FusedAddNorm(device, dtype, ONE_SHOT_MAX_BYTES)
+    fused = "; fused with add + RMSNorm up to 64 rows" if _fused is not None else ""
+    log.info("one-shot all-reduce for messages up to %d KiB%s", ONE_SHOT_MAX_BYTES // 1024, fused)
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:

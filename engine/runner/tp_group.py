@@ -128,7 +128,7 @@ class TPGroup:
         read, write = os.pipe()
         started = threading.Event()
         cmd = [sys.executable, "-m", "engine.runner.tp_worker", str(rank), str(self.shard.size), str(port)]
-        cpus = last_cores(1, skip=rank - 1) if PIN_WORKERS else None  # engine/device/cpus.py says why
+        cpus = last_cores(1, skip=self._core_slot(rank)) if PIN_WORKERS else None  # engine/device/cpus.py
         cmd += [str(os.getpid()), ",".join(map(str, cpus or []))]
 
         def keeper() -> None:
@@ -147,6 +147,18 @@ class TPGroup:
             raise TPWorkerError(f"could not start tensor-parallel rank {rank}")
         self.pipes[rank] = write
         self._send_to(rank, list(pickle.dumps(config)))
+
+    def _core_slot(self, rank: int) -> int:
+        """Which core from the end of the CPU set rank `rank` takes: its GPU's node-wide index, so that
+        the workers of several replicas on one node (each seeing its own GPUs as 0..P-1) never share a
+        core; on CPU, rank - 1."""
+        if self.device.type != "cuda":
+            return rank - 1
+        local = (self.device.index or 0) + rank
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
+        if local < len(visible) and visible[local].strip().isdigit():
+            return int(visible[local])
+        return local
 
     def _await_ready(self, store: dist.TCPStore) -> None:
         """Wait until every worker has started (imports done, about to join the group), failing at once
