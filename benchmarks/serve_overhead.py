@@ -204,7 +204,7 @@ def run_variant(args, ctx: dict, report: dict, variant: str, settings: dict) -> 
     with every tree's code in turn (the baseline first)."""
     venv = {k: v for k, v in settings.items() if not k.startswith("args.")}
     for tree in ctx["trees"] if "served" not in args.skip else []:
-        cfg = serve_config(ctx["device"], ctx["ckpt"], args.port, max(args.users), root=tree.root)
+        cfg = serve_config(ctx["device"], ctx["ckpt"], args.port, max(args.users), root=tree.root, tp=args.tp)
         row = {"variant": variant, "stack": "served", "tree": tree.name, "env": venv}
         measure_server(args, ctx, report, row, with_app_args(cfg, settings), args.users, tree)
     for n in args.users if "null" not in args.skip else []:
@@ -233,6 +233,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--warmup", type=float, default=5.0, help="seconds of unmeasured load after each start")
     add("--spawn-rate", type=float, default=16.0, help="users started per second")
     add("--workload", default="W2")
+    add("--tp", type=int, default=1, help="tensor_parallel_size of the served engine (--skip offline,null)")
     add("--gen-scale", type=float, default=1.0)
     add("--prompt-scale", type=float, default=1.0)
     add("--seed", type=int, default=0)
@@ -254,6 +255,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.users = [int(u) for u in args.users.split(",") if u.strip()]
     args.skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    if args.tp > 1 and not {"offline", "null"} <= args.skip:
+        p.error("--tp > 1 measures the served engine only: add --skip offline,null")
     args.variants = {"default": {}} | dict(parse_variant(v) for v in args.serve_env)
     args.out = args.out.resolve()
     return args

@@ -36,19 +36,31 @@ def log(msg: str) -> None:
 
 
 def serve_config(
-    device: str, ckpt: str, port: int, users: int, null_step_ms: float | None = None, root: Path = ROOT
+    device: str,
+    ckpt: str,
+    port: int,
+    users: int,
+    null_step_ms: float | None = None,
+    root: Path = ROOT,
+    tp: int = 1,
 ) -> dict:
     """The serve_config.yaml of the tree at `root` (this repo's by default) with the checkpoint, GPUs,
-    port and GPU engine options."""
+    port and GPU engine options; `tp` > 1: one replica over that many ranks (a GPU each on CUDA;
+    on CPU half a CPU each, so that the ranks and the ingress fit a small machine)."""
     import yaml
 
     cfg = yaml.safe_load((Path(root) / "serve_config.yaml").read_text())
     cfg["http_options"]["port"] = port
     args = cfg["applications"][0]["args"]
-    args.update(model=str(ckpt), num_gpus=int(device == "cuda"), max_ongoing_requests=max(256, 2 * users))
+    gpus = tp if device == "cuda" else 0
+    args.update(model=str(ckpt), num_gpus=gpus, max_ongoing_requests=max(256, 2 * users))
     if device == "cuda":
         args["engine"].update(max_num_seqs=256, gpu_memory_utilization=0.85)
         args["engine"].pop("cpu_kv_cache_bytes", None)
+    if tp > 1:
+        args["engine"]["tensor_parallel_size"] = tp
+        if device != "cuda":
+            args["engine_num_cpus"] = 0.5
     if null_step_ms is not None:
         args["null_core_step_ms"] = round(null_step_ms, 3)
     return cfg
