@@ -143,6 +143,11 @@ def test_serve_config_and_variants() -> None:
     assert "cpu_kv_cache_bytes" not in args["engine"] and engine_options("cuda") == args["engine"]
     cpu = serve_config("cpu", "/ckpt", 8000, 4)["applications"][0]["args"]
     assert cpu["num_gpus"] == 0 and cpu["max_ongoing_requests"] == 256 and "null_core_step_ms" not in cpu
+    assert "tensor_parallel_size" not in cpu["engine"]
+    tp4 = serve_config("cuda", "/ckpt", 8000, 4, tp=4)["applications"][0]["args"]
+    assert tp4["num_gpus"] == 4 and tp4["engine"]["tensor_parallel_size"] == 4
+    tp2 = serve_config("cpu", "/ckpt", 8000, 4, tp=2)["applications"][0]["args"]  # gloo ranks on 2 cores
+    assert (tp2["num_gpus"], tp2["engine_num_cpus"], tp2["engine"]["tensor_parallel_size"]) == (0, 0.5, 2)
     assert parse_variant("tput=RAY_SERVE_THROUGHPUT_OPTIMIZED=1,A=b=c") == (
         "tput",
         {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "A": "b=c"},
