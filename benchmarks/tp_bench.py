@@ -72,6 +72,18 @@ def allreduce_us(table: list[dict], tp: int, kib: float, path: str) -> float | N
     return None
 
 
+def allreduce_table(path: Path, gpu: str | None) -> list[dict]:
+    """benchmarks/tp_allreduce.py's rows, if measured on this kind of GPU (another GPU's timings would
+    be a guess, and the columns stay empty)."""
+    if not path.exists():
+        return []
+    data = json.loads(path.read_text())
+    if data.get("env", {}).get("hardware", {}).get("gpu") != gpu:
+        print(f"--allreduce {path}: measured on another GPU than {gpu}; all-reduce columns left empty")
+        return []
+    return data["rows"]
+
+
 def step_allreduce(table: list[dict], tp: int, cfg: dict, batch: int) -> dict:
     count = 2 * cfg["num_hidden_layers"] + 1
     kib = batch * cfg["hidden_size"] * 2 / 1024
@@ -233,11 +245,11 @@ def main(argv: list[str] | None = None) -> None:
                 runs.append(run)
                 a, b = run["a"]["tok_s"], run["b"]["tok_s"]
                 print(f"tp={tp} one_shot={one_shot}: (a) {a:.1f} (b) {b:.1f} tok/s", flush=True)
-    path = Path(args.allreduce)
-    table = json.loads(path.read_text())["rows"] if path.exists() else []
+    env = environment()
+    table = allreduce_table(Path(args.allreduce), env["hardware"].get("gpu"))
     base = next((r for r in runs if r["tp"] == 1), None)
     report = {
-        "env": environment(),
+        "env": env,
         "device": device,
         "model_name": Path(args.model).name,
         "command": "python -m benchmarks.tp_bench " + " ".join(argv or sys.argv[1:]),

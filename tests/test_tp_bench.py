@@ -1,0 +1,45 @@
+"""benchmarks/tp_bench.py's report logic: speedups and top-1 against TP=1, a run without TP=1 (a model one
+GPU cannot hold), and all-reduce estimates only from a table measured on the same kind of GPU."""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks import tp_bench
+
+CFG = {"num_hidden_layers": 2, "hidden_size": 4096}
+
+
+def _fig(tok_s: float) -> dict:
+    return {"tok_s": tok_s, "pct_of_roofline": 50.0, "roofline": {"tok_s": 2 * tok_s}, "step_ms_p50": 1.0}
+
+
+def _run(tp: int, a: float, b: float, top1: list[list[int]]) -> dict:
+    return {"tp": tp, "one_shot": True, "top1_batch": top1, "a": _fig(a), "b": _fig(b)}
+
+
+def test_speedups_and_top1_are_against_tp1_and_absent_without_it():
+    table = [{"world": 2, "kib": 8, "nccl_graph_us": 10.0, "one_shot_graph_us": 5.0},
+             {"world": 2, "kib": 512, "nccl_graph_us": 20.0, "one_shot_graph_us": 12.0}]  # fmt: skip
+    runs = [_run(1, 100.0, 1000.0, [[1, 2, 3, 4]]), _run(2, 160.0, 1500.0, [[1, 2, 3, 5]])]
+    rows = tp_bench.summarize(runs, table, CFG)
+    assert (
+        rows[1]["a"]["speedup"] == 1.6 and rows[1]["b"]["speedup"] == 1.5 and rows[1]["top1_vs_tp1"] == 0.75
+    )
+    # 2 layers x 2 + 1 all-reduces of 8 KiB (batch 1) and 512 KiB (batch 64)
+    assert rows[1]["a"]["allreduce"]["one_shot_ms"] == 5 * 5.0 / 1e3
+    assert rows[1]["b"]["allreduce"]["nccl_ms"] == 5 * 20.0 / 1e3
+    alone = tp_bench.summarize([_run(4, 70.0, 3000.0, [[1]])], table, CFG)
+    assert alone[0]["a"]["speedup"] is None and alone[0]["top1_vs_tp1"] is None
+    env = {"hardware": {}, "versions": {"torch": "x"}}
+    md = tp_bench.render({"env": env, "device": {"copy_bw_GBps": 3000.0}, "model_name": "m", "command": "c",
+                          "top1_tp1_alone_vs_batch": None, "rows": alone})  # fmt: skip
+    assert "| 4 | one-shot | 70.0 | - |" in md
+
+
+def test_an_allreduce_table_from_another_gpu_is_not_used(tmp_path):
+    path = tmp_path / "ar.json"
+    path.write_text(json.dumps({"env": {"hardware": {"gpu": "NVIDIA H200"}}, "rows": [{"world": 2}]}))
+    assert tp_bench.allreduce_table(path, "NVIDIA H200") == [{"world": 2}]
+    assert tp_bench.allreduce_table(path, "NVIDIA H100 80GB HBM3") == []
+    assert tp_bench.allreduce_table(tmp_path / "missing.json", "NVIDIA H200") == []
