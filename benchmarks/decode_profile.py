@@ -100,7 +100,19 @@ def decode_until_steady(engine, batch: int) -> None:
         extra += len(seen) == batch
 
 
-def _timed_steps(engine, steps: int) -> list[float]:
+def start_decoding(engine, batch: int, prompt: int, max_tokens: int) -> None:
+    """Add `batch` greedy requests of `prompt`-token random prompts and step until all are decoding."""
+    from engine import SamplingParams
+
+    vocab = engine.runner.model_config.vocab_size
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    for p in random_prompts(random.Random(0), batch, prompt, vocab):
+        engine.add_request(p, sp)
+    decode_until_steady(engine, batch)
+
+
+def timed_steps(engine, steps: int) -> list[float]:
+    """Wall seconds of each of `steps` calls of engine.step()."""
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -145,19 +157,13 @@ def profile(
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    from engine import SamplingParams
-
     engine = llm.engine
-    vocab = engine.runner.model_config.vocab_size
-    sp = SamplingParams(max_tokens=2 * steps + 64, temperature=0.0, ignore_eos=True)
-    for p in random_prompts(random.Random(0), batch, prompt, vocab):
-        engine.add_request(p, sp)
-    decode_until_steady(engine, batch)
-    walls = _timed_steps(engine, steps)
+    start_decoding(engine, batch, prompt, 2 * steps + 64)
+    walls = timed_steps(engine, steps)
     torch.cuda.synchronize()
     device_us = device_step_us(engine, batch)
     with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-        _timed_steps(engine, steps)
+        timed_steps(engine, steps)
         torch.cuda.synchronize()
     while engine.has_unfinished():
         engine.step()

@@ -16,12 +16,9 @@ import cProfile
 import io
 import os
 import pstats
-import random
 import statistics
-import time
 
-from benchmarks.common import random_prompts
-from benchmarks.decode_profile import decode_until_steady
+from benchmarks.decode_profile import start_decoding, timed_steps
 
 
 def main() -> None:
@@ -34,22 +31,13 @@ def main() -> None:
     ap.add_argument("--profile", type=int, default=0, help="print the top N functions under cProfile")
     args = ap.parse_args()
 
-    from engine import LLM, SamplingParams
+    from engine import LLM
 
     llm = LLM(args.model, dtype="bfloat16", max_num_seqs=max(args.batch, 8), gpu_memory_utilization=0.85,
               enable_prefix_caching=False, tensor_parallel_size=args.tp)  # fmt: skip
     engine = llm.engine
-    sp = SamplingParams(max_tokens=2 * args.steps + 64, temperature=0.0, ignore_eos=True)
-    vocab = engine.runner.model_config.vocab_size
-    for p in random_prompts(random.Random(0), args.batch, args.prompt, vocab):
-        engine.add_request(p, sp)
-    decode_until_steady(engine, args.batch)
-    times = []
-    for _ in range(args.steps):
-        t0 = time.perf_counter()
-        engine.step()
-        times.append(1e3 * (time.perf_counter() - t0))
-    times.sort()
+    start_decoding(engine, args.batch, args.prompt, 2 * args.steps + 64)
+    times = sorted(1e3 * t for t in timed_steps(engine, args.steps))
     pin = os.environ.get("MINSERVE_TP_PIN", "1")
     print(f"tp={args.tp} batch={args.batch} pin={pin}: step p50 {statistics.median(times):.2f} "
           f"mean {statistics.fmean(times):.2f} p90 {times[int(0.9 * (len(times) - 1))]:.2f} ms")  # fmt: skip

@@ -40,9 +40,9 @@ from engine.runner import tp_wire
 
 log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parents[2]
-# NVLink multicast stays off in every process of the group: on a shared host it can take GPUs out of service.
 # Each worker on a whole core of its own, away from rank 0's step loop, which wakes it every step
 PIN_WORKERS = os.environ.get("MINSERVE_TP_PIN", "1") == "1"
+# NVLink multicast stays off in every process of the group: on a shared host it can take GPUs out of service.
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 TIMEOUT = timedelta(seconds=int(os.environ.get("MINSERVE_TP_TIMEOUT_S", "600")))  # start-up and collectives
 CLOSE_WAIT_S = 10.0

@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from engine.device.cpus import MIN_CORES, last_cores, whole_cores
+from engine.device.cpus import last_cores, whole_cores
 
 READY_TIMEOUT_S = 120.0  # generous: the child builds the tokenizer's token trie before it is ready
 # llguidance's pool threads in the child, and at most as many independently compiled replicas per
@@ -154,8 +154,7 @@ def buffer_dir(size: int, shm: str = "/dev/shm") -> str | None:
 def split_cpus(threads: int) -> list[int] | None:
     """The child's CPUs: whole cores at the end of the process's set (engine/device/cpus.py says why),
     as many as its threads, at most half the cores. None (unpinned) under four cores."""
-    cores = len(whole_cores())
-    return None if cores < MIN_CORES else last_cores(max(1, min(threads, cores // 2)))
+    return last_cores(max(1, min(threads, len(whole_cores()) // 2)))
 
 
 # message kinds on the channel
