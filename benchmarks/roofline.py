@@ -25,6 +25,8 @@ from pathlib import Path
 
 EMBED = "model.embed_tokens.weight"
 DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8}
+# quantised weights: read as stored, whatever dtype the model is served in
+STORED_BYTES = {"F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1}
 
 
 @dataclass(frozen=True)
@@ -61,18 +63,23 @@ def model_cost(path: str | Path, dtype_bytes: int = 2, kv_dtype_bytes: int | Non
     with a KV cache of `kv_dtype_bytes` per value (default: the serving dtype's; 1 for an fp8 cache)."""
     path = Path(path)
     cfg = json.loads((path / "config.json").read_text())
-    # element counts, so that a checkpoint stored in fp32 is costed in the dtype it is served in
-    numel = {name: size // DTYPE_BYTES[dt] for name, (size, dt) in _safetensors_sizes(path).items()}
-    total = sum(numel.values())
+    # float tensors by element count, so that a checkpoint stored in fp32 is costed in the dtype it is
+    # served in; quantised ones (FP8, INT8) by their stored bytes
+    sizes = _safetensors_sizes(path)
+    numel, nbytes = {}, {}
+    for name, (size, dt) in sizes.items():
+        stored = STORED_BYTES.get(dt)
+        numel[name] = size // (stored or DTYPE_BYTES[dt])
+        nbytes[name] = size if stored else numel[name] * dtype_bytes
     tied = "lm_head.weight" not in numel  # a tied lm_head is the embedding: read in full every step
-    step = total - (0 if tied else numel.get(EMBED, 0))
+    skip = () if tied else (EMBED,)
     layers = cfg["num_hidden_layers"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     kv = layers * 2 * cfg["num_key_value_heads"] * head_dim * (kv_dtype_bytes or dtype_bytes)
     return ModelCost(
-        weight_bytes_total=total * dtype_bytes,
-        step_weight_bytes=step * dtype_bytes,
-        matmul_params=step,
+        weight_bytes_total=sum(nbytes.values()),
+        step_weight_bytes=sum(b for n, b in nbytes.items() if n not in skip),
+        matmul_params=sum(c for n, c in numel.items() if n not in skip),
         kv_bytes_per_token=kv,
         attn_flops_per_ctx_token=4 * cfg["num_attention_heads"] * head_dim * layers,
         num_layers=layers,

@@ -39,8 +39,9 @@ def main() -> None:
     start_decoding(engine, args.batch, args.prompt, 2 * args.steps + 64)
     times = sorted(1e3 * t for t in timed_steps(engine, args.steps))
     pin = os.environ.get("MINSERVE_TP_PIN", "1")
-    print(f"tp={args.tp} batch={args.batch} pin={pin}: step p50 {statistics.median(times):.2f} "
-          f"mean {statistics.fmean(times):.2f} p90 {times[int(0.9 * (len(times) - 1))]:.2f} ms")  # fmt: skip
+    print(f"tp={args.tp} batch={args.batch} pin={pin}: "
+          f"step p50 {statistics.median(times):.2f} mean {statistics.fmean(times):.2f} "
+          f"p90 {times[int(0.9 * (len(times) - 1))]:.2f} ms")  # fmt: skip
     if args.profile:
         prof = cProfile.Profile()
         prof.enable()

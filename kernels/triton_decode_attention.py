@@ -36,7 +36,6 @@ from kernels.triton_attn_common import dot_dtype_for, load_paged_rows, online_so
 MAX_SPLITS = 64  # more splits than tiles of a 1k-token context never pay for their merge
 PROGRAMS_PER_SM = 4  # enough resident CTAs to keep HBM busy while each waits on its loads
 MERGE_TILE = 8192  # fp32 partial-output values the merging program loads at once ([G, S, D] tile)
-MIN_SPLITS = 3  # below this many, one split: two splits gain less than their merge costs
 INTERPRETER_SMS = 2  # stand-in SM count under TRITON_INTERPRET (CPU tensors): still yields splits
 RELEASE_FIRST = True  # o_proj launches before the wait: its weight loads overlap the kernel before (pdl)
 
@@ -158,18 +157,19 @@ def choose_num_splits(
     batch: int, num_kv_heads: int, max_blocks: int, block_size: int, block_n: int, sm_count: int,
     sliding_window: int | None = None,
 ) -> int:  # fmt: skip
-    """Splits per (seq, kv head) so that batch * Hk * splits ~ PROGRAMS_PER_SM * SMs; shapes only.
+    """Splits per (seq, kv head): the most for which batch * Hk * splits stays within one wave of
+    PROGRAMS_PER_SM * SMs programs; shapes only.
 
-    Capped by the most BLOCK_N tiles a sequence can have (block-table width or window) and MAX_SPLITS;
-    fewer than MIN_SPLITS means 1: two splits gain less than their merge costs, even with the merge
-    folded in (docs/performance.md, ideas tried: two attention splits at batch 64).
+    Rounding down, not up: a grid just past one wave runs a second, mostly idle one, which costs more
+    than the splits save (at batch 64 over 4 KV heads, 2 splits beat 3, and 1 split beats 2 over 8;
+    benchmarks/decode_splits.py). Capped by the most BLOCK_N tiles a sequence can have (block-table
+    width or window) and MAX_SPLITS.
     """
     span = max_blocks * block_size
     if sliding_window:
         span = min(span, sliding_window)
-    want = triton.cdiv(PROGRAMS_PER_SM * sm_count, max(1, batch * num_kv_heads))
-    splits = max(1, min(want, triton.cdiv(span, block_n), MAX_SPLITS))
-    return splits if splits >= MIN_SPLITS else 1
+    want = (PROGRAMS_PER_SM * sm_count) // max(1, batch * num_kv_heads)
+    return max(1, min(want, triton.cdiv(span, block_n), MAX_SPLITS))
 
 
 def decode_config(head_dim: int, fp8_cache: bool = False) -> tuple[int, int, int]:

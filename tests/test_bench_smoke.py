@@ -41,6 +41,20 @@ def test_model_cost_counts_the_weights_a_decode_step_reads(tmp_path, name):
     assert fp8_kv.step_weight_bytes == cost.step_weight_bytes
 
 
+def test_model_cost_reads_a_quantised_checkpoint_at_its_stored_bytes(tmp_path):
+    """FP8 block-scaled decoder weights cost one byte each; the float tensors (embedding, head, norms,
+    scales) are costed in the serving dtype, as in the bf16 checkpoint of the same shape."""
+    spec = get_spec("tiny")
+    plain = model_cost(make_model("tiny", tmp_path / "plain"), dtype_bytes=2)
+    fp8 = model_cost(make_model("tiny", tmp_path / "fp8", quant="fp8-block"), dtype_bytes=2)
+    h, i = spec.hidden_size, spec.intermediate_size
+    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    linears = spec.num_layers * (h * (q + 2 * kv) + q * h + 3 * h * i)  # q, k, v, o, gate, up, down
+    scales = fp8.matmul_params - plain.matmul_params  # the block scales' elements
+    assert 0 < scales < linears / 1000
+    assert fp8.step_weight_bytes == plain.step_weight_bytes - linears + 2 * scales
+
+
 @pytest.mark.slow
 def test_smoke_run_produces_every_figure(tmp_path):
     from benchmarks.bench import main

@@ -256,12 +256,17 @@ def test_prefill_attention(env: Env, case) -> None:
     close(out, ref, env)
 
 
-def test_num_splits_fill_the_gpu_from_shapes_only() -> None:
+def test_num_splits_fill_one_wave_from_shapes_only() -> None:
+    """The measured best split counts of benchmarks/decode_splits.py on an H100 (132 SMs, 528 program
+    slots; benchmarks/reports/gpu/decode_splits_h100.md)."""
     choose = K["triton_decode_attention"].choose_num_splits
-    # Llama-3.1-8B, batch 1, 128k-token block table on 132 SMs: 4 * 132 programs over 8 KV heads.
-    assert choose(1, 8, 8192, 16, 64, 132) == 64  # capped at MAX_SPLITS (want 66)
-    assert choose(16, 8, 8192, 16, 64, 132) == 5  # 16 * 8 * 5 = 640 >= 528 programs
-    assert choose(64, 8, 8192, 16, 64, 132) == 1  # would be 2 (< MIN_SPLITS): one split, no reduce
+    # Llama-3.1-8B, 128k-token block table: 8 KV heads at TP=1, 4 at TP=2, 2 at TP=4
+    assert choose(1, 8, 8192, 16, 64, 132) == 64  # capped at MAX_SPLITS (a wave holds 66)
+    assert choose(16, 8, 8192, 16, 64, 132) == 4  # 512 programs; 5 would spill into a second wave
+    assert choose(64, 8, 8192, 16, 64, 132) == 1  # 512 programs already fill the wave
+    assert choose(64, 4, 8192, 16, 64, 132) == 2  # TP=2: 3 splits (768 programs) measured slower
+    assert choose(64, 2, 8192, 16, 64, 132) == 4  # TP=4
+    assert choose(128, 8, 8192, 16, 64, 132) == 1  # past one wave with a single split
     assert choose(1, 8, 2, 16, 64, 132) == 1  # a 32-token table holds a single tile
     assert choose(1, 8, 8192, 16, 64, 132, sliding_window=256) == 4  # the window bounds the keys
 

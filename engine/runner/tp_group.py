@@ -172,7 +172,9 @@ class TPGroup:
             time.sleep(0.01)
 
     def _died(self, rank: int, code: int) -> None:
-        if self.closing:
+        # code 0: the worker read EOF, which only rank 0 closing its pipe gives (close(), or the
+        # finalizer at interpreter exit, where `closing` is never set)
+        if self.closing or code == 0:
             return
         pid = self.procs[rank].pid
         self.failed = f"tensor-parallel worker rank {rank} (pid {pid}) exited with code {code}"

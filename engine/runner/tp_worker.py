@@ -11,6 +11,7 @@ knows no requests. It dies with rank 0: SIGKILL when the thread that started it 
 from __future__ import annotations
 
 import ctypes
+import gc
 import logging
 import os
 import pickle
@@ -63,6 +64,7 @@ class Worker:
             tp_wire.REPLAY: self.replay,
             tp_wire.LORA: self.load_lora,
         }
+        _freeze_heap()
         with torch.inference_mode():
             while (header := tp_wire.recv(commands)) is not None:
                 handlers[header[0]](header)
@@ -112,6 +114,7 @@ class Worker:
         args = (self.device, self.dtype, self.config, max_model_len, cfg.hidden_size)
         uniform, mixed = capture_sets(model, *args)
         self.graphs = {**uniform, **({0: mixed} if mixed is not None else {})}
+        _freeze_heap()
 
     def replay(self, header: list[int]) -> None:
         self.graphs[header[1]].graphs[header[2]].replay()
@@ -119,6 +122,13 @@ class Worker:
     def load_lora(self, header: list[int]) -> None:
         slot, name, int_id, path = tp_wire.decode_lora(header)
         self.lora.load_slot(slot, LoRARequest(name, int_id, path))
+
+
+def _freeze_heap() -> None:
+    """Keep the model's and the graphs' objects out of every later collection, as rank 0 does
+    (engine/llm_engine.py): a full collection over them would stall a step of every rank."""
+    gc.collect()
+    gc.freeze()
 
 
 def _die_with_parent() -> None:
