@@ -9,6 +9,7 @@ n = 2 (copy-on-write of a shared block) and a KV pool small enough to preempt.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -301,6 +302,70 @@ def test_speculation_structured_output_sampling_and_an_fp8_kv_cache_match_tp1(ti
             llm.engine.runner.shutdown()
         assert stats["spec_draft_tokens"] > 0  # speculation ran at both sizes
     assert out[2] == out[1]
+
+
+def recording_drafts(llm: LLM) -> list[list[list[int]]]:
+    """Record the head's drafts of every MTP step (the list fills as the engine runs)."""
+    step, record = llm.engine.runner.mtp, []
+    real = step.drafter
+
+    def drafter(batch, hidden):
+        inner = real(batch, hidden)
+
+        def draft(accepted, bonus):
+            out = inner(accepted, bonus)
+            record.append(out.tolist())
+            return out
+
+        return draft
+
+    step.drafter = drafter
+    return record
+
+
+@pytest.mark.parametrize("drafts", ["head", "oracle"])
+def test_gated_lora_mtp_matches_tp1(tiny_model_dir, tmp_path, drafts):
+    """Self-speculation with a gated LoRA at TP=2 (eager MTP steps: each rank runs the mask rows under
+    its share of the gate, with their visibility and input vectors from rank 0; the drafts' embeddings
+    and logits reach every rank). The mixed batch of test_spec_mtp, preempting: plain TP=1 decoding's
+    tokens, and with the random head the very drafts the head makes at TP=1 (float64: the order of the
+    ranks' sums cannot flip an argmax); with mostly right oracle drafts, acceptances and rejections
+    mid-chunk, whose KV every rank keeps or drops alike."""
+    from scripts.make_mtp import write_mtp_dir
+    from tests.test_spec_engine import SCENARIOS, generate, make_llm, mixed_batch
+    from tests.test_spec_mtp import K, mtp, with_drafts
+
+    vocab = json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"]
+    prompts, params = mixed_batch(vocab)
+    options = SCENARIOS["preempt"]
+    plain = generate(make_llm(tiny_model_dir, **options), prompts, params)
+    spec = mtp(write_mtp_dir(tmp_path / "head", tiny_model_dir, num_mask_tokens=4, rank=8),
+               disable_below_acceptance=0.0)  # fmt: skip
+    full = {tuple(p): p + out[0] for p, out in zip(prompts, plain)}
+
+    def future(seq, kept, bonus):  # the plain run's continuation, every fifth position wrong
+        at = seq.num_computed + kept + 2  # the index the first draft takes
+        ids = (full[tuple(seq.request.prompt_ids)][at : at + K] + [0] * K)[:K]
+        return [(t + 1) % vocab if (at + i) % 5 == 0 else t for i, t in enumerate(ids)]
+
+    runs = {}
+    for tp in (1, 2) if drafts == "head" else (2,):
+        llm = make_llm(tiny_model_dir, spec, tensor_parallel_size=tp, **options)
+        assert (llm.engine.runner.tp is not None) == (tp == 2) and llm.engine.runner.mtp is not None
+        record = recording_drafts(llm)
+        if drafts == "oracle":
+            with_drafts(llm, future)
+        try:
+            runs[tp] = generate(llm, prompts, params), record, llm.engine.get_stats()
+        finally:
+            llm.engine.runner.shutdown()
+        assert runs[tp][0] == plain
+        assert runs[tp][2]["spec_verify_rows"] > 0 and runs[tp][2]["num_preemptions"] > 0
+    if drafts == "head":
+        assert runs[2][1] == runs[1][1] and len(runs[2][1]) > 10
+    else:
+        stats = runs[2][2]
+        assert 0.3 * stats["spec_draft_tokens"] < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]
 
 
 def test_each_worker_takes_the_core_of_its_gpu_across_replicas(monkeypatch):

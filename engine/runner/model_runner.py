@@ -106,7 +106,7 @@ class ModelRunner:
             shard=None if self.tp is None else self.tp.shard,
         )  # fmt: skip
         # gated-LoRA MTP: mask embeddings and sampler head (None for other engines)
-        self.mtp_head = mtp_setup.load_head(config, self.model_config, self.dtype, self.device, self.tp)
+        self.mtp_head = mtp_setup.load_head(config, self.model_config, self.dtype, self.device)
         self.lora = self._wrap_model(config)  # LoRA layers (None unless enable_lora), TPModel with TP
         max_pos = self.model_config.max_position_embeddings
         self.max_model_len = min(config.load.max_model_len or min(max_pos, 8192), max_pos)
@@ -151,7 +151,8 @@ class ModelRunner:
         computation reaches every rank."""
         manager = None
         if config.enable_lora or self.mtp_head is not None:
-            layers, self.mtp_lora_slot = mtp_setup.lora_layers(self.model, config, self.mtp_head, self.dtype)
+            mtp = None if self.mtp_head is None else self.mtp_head.source
+            layers, self.mtp_lora_slot = mtp_setup.lora_layers(self.model, config, mtp, self.dtype)
             manager = (
                 LoRAManager(config, self.model_config, layers, self.dtype) if config.enable_lora else None
             )
@@ -190,8 +191,8 @@ class ModelRunner:
         self.kv_caches = allocate_kv_cache(
             replace(self.kv_spec, num_blocks=self.kv_spec.num_blocks + scratch), self.device
         )
-        if self.tp is not None:
-            self.tp.allocate_kv(self.kv_spec.num_blocks)
+        if self.tp is not None:  # the same pool and scratch on every rank
+            self.tp.allocate_kv(self.kv_spec.num_blocks + scratch)
         attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for layer, (k_cache, v_cache) in zip(attn_layers, self.kv_caches, strict=True):
             layer.k_cache, layer.v_cache = k_cache, v_cache
@@ -223,7 +224,7 @@ class ModelRunner:
         else:  # every rank captures the same graphs (tensor parallelism: engine/runner/tp_model.py)
             graphs, self.mixed_graphs = capture_on_all_ranks(self.tp, *args)
         logged = dict(graphs)  # the MTP steps' graphs are the MTP step's, never forward_batch's
-        if self.mtp is not None:
+        if self.mtp is not None and self.tp is None:  # with tensor parallelism MTP steps run eagerly
             self.mtp.graphs = logged[self.mtp.graphs_q] = mtp_setup.capture_graphs(
                 self.model, self.mtp_head, *args[1:]
             )

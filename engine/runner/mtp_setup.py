@@ -13,32 +13,36 @@ from engine.lora.layers import LoRALinear, wrap_model
 from engine.runner.graph_sets import max_graph_batch
 from engine.runner.kv_cache import KVCacheSpec
 from engine.runner.mtp_step import MtpGraphs
-from engine.spec.mtp_head import MtpHead, load_mtp_head, load_mtp_lora
+from engine.spec.mtp_head import MtpDir, MtpHead, check_mtp_dir, load_mtp_head, load_mtp_lora
 
 
-def load_head(config: EngineConfig, model_config, dtype: torch.dtype, device, tp) -> MtpHead | None:
+def load_head(config: EngineConfig, model_config, dtype: torch.dtype, device) -> MtpHead | None:
     """The checked head of an MTP engine, else None."""
     spec = config.speculative
     if spec is None or spec.method != "gated_lora_mtp":
         return None
-    if tp is not None:
-        raise ValueError(
-            "speculative_config.method: gated_lora_mtp runs with tensor_parallel_size 1; use ngram or "
-            "draft_model with tensor parallelism, or set tensor_parallel_size 1"
-        )
     return load_mtp_head(spec.model, model_config, spec.num_speculative_tokens, dtype, device)
 
 
+def mtp_source(config: EngineConfig, model_config) -> MtpDir | None:
+    """The checked MTP directory of an MTP engine (its gate's adapter), else None: what a
+    tensor-parallel worker needs, which runs the forward but never the sampler head."""
+    spec = config.speculative
+    if spec is None or spec.method != "gated_lora_mtp":
+        return None
+    return check_mtp_dir(spec.model, model_config, spec.num_speculative_tokens)
+
+
 def lora_layers(
-    model, config: EngineConfig, head: MtpHead | None, dtype: torch.dtype
+    model, config: EngineConfig, mtp: MtpDir | None, dtype: torch.dtype
 ) -> tuple[list[LoRALinear], int]:
-    """(LoRA layers, the gate's slot): the adapters' slots (enable_lora: max_loras) and, with a head, one
-    slot more, the last, holding its gate's adapter."""
-    slots = (config.max_loras if config.enable_lora else 0) + (head is not None)
-    rank = max(config.max_lora_rank if config.enable_lora else 0, head.source.lora_rank if head else 0)
+    """(LoRA layers, the gate's slot): the adapters' slots (enable_lora: max_loras) and, with an MTP
+    directory, one slot more, the last, holding its gate's adapter (this rank's share of it)."""
+    slots = (config.max_loras if config.enable_lora else 0) + (mtp is not None)
+    rank = max(config.max_lora_rank if config.enable_lora else 0, mtp.lora_rank if mtp else 0)
     layers = wrap_model(model, slots, rank)
-    if head is not None:
-        modules = load_mtp_lora(head.source, dtype).modules
+    if mtp is not None:
+        modules = load_mtp_lora(mtp, dtype).modules
         for layer in layers:
             layer.load_slot(slots - 1, modules)
     return layers, slots - 1

@@ -6,7 +6,8 @@ whole model. A forward sends its header (engine/runner/tp_wire.py), broadcasts t
 buffers and runs; every rank then computes the same hidden rows. Its logits: rank 0 broadcasts the
 hidden rows it wants scored (whatever rows the caller picked: sampling rows, prompt-logprob rows,
 speculative positions), every rank computes its vocabulary columns, and rank 0 gathers them. Sampling
-stays on rank 0.
+stays on rank 0; so does a gated-LoRA MTP head, whose drafts reach the ranks through `embed` (each
+draft's previous token) and the logits computation.
 
 CUDA graphs: while the ranks capture in lockstep (TPGroup.in_lockstep), a forward sends no header and
 only broadcasts, so each rank's graph of a bucket holds the broadcast of that bucket's static buffers.
@@ -40,6 +41,15 @@ class TPModel(nn.Module):
             for span in spans:
                 dist.broadcast(span, 0)
             return self.inner(input_ids, positions)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The input vectors of `input_ids` [N] (a gated-LoRA MTP draft's previous tokens): every rank
+        looks up its vocabulary rows, and the all-reduce sums them."""
+        input_ids = input_ids.contiguous()
+        self.group.send([tp_wire.EMBED, input_ids.shape[0]])
+        with self.group.guard():
+            dist.broadcast(input_ids, 0)
+            return self.inner.embed(input_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> logits [N, V] on rank 0, from every rank's columns."""

@@ -7,7 +7,8 @@ lies in the spans that follow; each span (a contiguous stretch of one storage: i
 int64 buffer and the int32 buffer of engine/runner/step_inputs.py) then goes in one broadcast. A worker
 therefore rebuilds exactly the views rank 0's model reads, after every device-side write rank 0 made
 into them (ids fed back from the previous step's samples, draft proposals): the broadcast reads the
-buffers in stream order, after those writes.
+buffers in stream order, after those writes. A gated-LoRA MTP step adds its rows' visibility and its
+mask rows with their input vectors (engine/runner/mtp_step.py), each a span of its own.
 """
 
 from __future__ import annotations
@@ -19,11 +20,15 @@ import struct
 import numpy as np
 import torch
 
-from engine.models.attention_context import AttentionMetadata
+from engine.models.attention_context import AttentionMetadata, TokenVisibility
 
-FORWARD, LOGITS, COPY, KV, CAPTURE, REPLAY, LORA = range(1, 8)
-DTYPES = (torch.int64, torch.int32)  # span dtype codes
-SLOTS = ("input_ids", "positions", "slot_mapping", "cu_seqlens_q", "seq_lens", "block_tables", "lora_slots")
+FORWARD, LOGITS, COPY, KV, CAPTURE, REPLAY, LORA, EMBED = range(1, 9)
+# span dtype codes: the packed step's integers, and the model's float dtypes (a gated-LoRA MTP step's
+# mask-row input vectors)
+DTYPES = (torch.int64, torch.int32, torch.bfloat16, torch.float16, torch.float32, torch.float64)
+SLOTS = ("input_ids", "positions", "slot_mapping", "cu_seqlens_q", "seq_lens", "block_tables", "lora_slots",
+         "vis_ctx", "vis_start", "vis_len", "embed_rows", "embed_vectors")  # fmt: skip
+MATRICES = ("block_tables", "embed_vectors")  # the 2-D slots
 _LEN = struct.Struct("<q")
 
 
@@ -46,8 +51,10 @@ def recv(stream) -> list[int] | None:
 
 
 def _tensors(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> list:
+    vis, given = meta.visibility, meta.embed_rows or (None, None)
+    vis_tensors = [None] * 3 if vis is None else [vis.ctx_lens, vis.local_start, vis.local_len]
     return [input_ids, positions, meta.slot_mapping, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
-            meta.lora_slots]  # fmt: skip
+            meta.lora_slots, *vis_tensors, *given]  # fmt: skip
 
 
 def _spans(tensors: list[torch.Tensor | None]) -> tuple[list[torch.Tensor], list[int]]:
@@ -97,10 +104,10 @@ def decode_forward(
     for i in range(len(SLOTS)):
         span, offset, d0, d1 = header[at + 4 * i : at + 4 * i + 4]
         view = None if span < 0 else spans[span][offset : offset + d0 * d1]
-        tensors.append(view.view(d0, d1) if SLOTS[i] == "block_tables" and view is not None else view)
+        tensors.append(view.view(d0, d1) if SLOTS[i] in MATRICES and view is not None else view)
     at += 4 * len(SLOTS)
     mixed, max_q, max_k, block_size, n = header[at : at + 5]
-    ids, pos, slots, cu, seq_lens, tables, lora_slots = tensors
+    ids, pos, slots, cu, seq_lens, tables, lora_slots, vis_ctx, vis_start, vis_len, rows, vectors = tensors
     meta = AttentionMetadata(
         cu_seqlens_q=cu,
         seq_lens=seq_lens,
@@ -113,6 +120,8 @@ def decode_forward(
         block_size=block_size,
         mixed=bool(mixed),
         lora_slots=lora_slots,
+        visibility=None if vis_ctx is None else TokenVisibility(vis_ctx, vis_start, vis_len, pos),
+        embed_rows=None if rows is None else (rows, vectors),
     )
     return ids, pos, meta
 

@@ -23,7 +23,6 @@ import torch.distributed as dist
 
 from engine.config import EngineConfig
 from engine.device.placement import resolve_device_dtype
-from engine.lora.layers import wrap_model
 from engine.lora.manager import LoRAManager
 from engine.lora.request import LoRARequest
 from engine.models import all_reduce
@@ -31,7 +30,7 @@ from engine.models.attention_context import attention_context
 from engine.models.layers import Attention
 from engine.models.loader import load_model
 from engine.models.parallel import Shard, local_config
-from engine.runner import tp_wire
+from engine.runner import mtp_setup, tp_wire
 from engine.runner.graph_sets import capture_sets
 from engine.runner.kv_cache import KVCacheSpec, allocate_kv_cache, kv_cache_dtype
 from engine.runner.tp_group import TIMEOUT, backend_for
@@ -50,9 +49,11 @@ class Worker:
         self.kv_caches: list = []
         self.graphs: dict[int, object] = {}  # CUDA graph sets by kind (query length; 0: mixed)
         self.lora = None  # multi-LoRA: this rank's adapter slots, loaded as rank 0 loads its own
-        if config.enable_lora:
-            layers = wrap_model(self.model, config.max_loras, config.max_lora_rank)
-            self.lora = LoRAManager(config, self.model_config, layers, dtype)
+        mtp = mtp_setup.mtp_source(config, self.model_config)  # a gated-LoRA MTP gate's adapter
+        if config.enable_lora or mtp is not None:
+            layers, _ = mtp_setup.lora_layers(self.model, config, mtp, dtype)
+            if config.enable_lora:
+                self.lora = LoRAManager(config, self.model_config, layers, dtype)
 
     def run(self, commands) -> None:
         handlers = {
@@ -63,6 +64,7 @@ class Worker:
             tp_wire.CAPTURE: self.capture,
             tp_wire.REPLAY: self.replay,
             tp_wire.LORA: self.load_lora,
+            tp_wire.EMBED: self.embed,
         }
         _freeze_heap()
         with torch.inference_mode():
@@ -87,6 +89,11 @@ class Worker:
         hidden = torch.empty((header[1], self.model_config.hidden_size), dtype=self.dtype, device=self.device)
         dist.broadcast(hidden, 0)
         gather_logits(self.model.compute_logits(hidden), self.shard.size, None)
+
+    def embed(self, header: list[int]) -> None:
+        ids = torch.empty(header[1], dtype=torch.long, device=self.device)
+        dist.broadcast(ids, 0)
+        self.model.embed(ids)
 
     def copy_blocks(self, header: list[int]) -> None:
         k = header[1]
