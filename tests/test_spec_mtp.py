@@ -235,9 +235,23 @@ def test_a_broken_acceptance_rule_fails_the_same_test(tiny_model_dir, mtp_dir, t
     assert p < ALPHA, f"chi-square p = {p:.2e}"
 
 
+def drafted_for(llm) -> set:
+    """The adapter names (None: no adapter) of the requests whose chunks the head drafts for."""
+    step, seen = llm.engine.runner.mtp, set()
+    real = step.drafter
+
+    def drafter(batch, hidden):
+        seen.update(s.request.lora_request and s.request.lora_request.lora_name for s in batch.spec_samplers)
+        return real(batch, hidden)
+
+    step.drafter = drafter
+    return seen
+
+
 def test_beside_lora_adapters_and_the_host_tier(tiny_model_dir, mtp_dir, tmp_path):
-    """An adapter's request (which decodes plainly: one LoRA slot per row) beside speculating ones, and
-    a host KV tier beside the scratch blocks: the text of the same engines without MTP."""
+    """An adapter's request speculates beside requests without one (its real rows under its adapter,
+    its mask rows under the gate), and a host KV tier sits beside the scratch blocks: the text of the
+    same engines without MTP, which for the adapter's request is its adapted model's."""
     from engine.lora.request import LoRARequest
     from tests.lora_fixtures import write_adapters
 
@@ -252,5 +266,7 @@ def test_beside_lora_adapters_and_the_host_tier(tiny_model_dir, mtp_dir, tmp_pat
         outs = []
         for spec in (None, mtp(mtp_dir, disable_below_acceptance=0.0)):
             llm = make_llm(tiny_model_dir, spec, block_size=4, **opts)
+            seen = drafted_for(llm) if spec else set()
             outs.append([r.outputs[0].token_ids for r in llm.generate(prompts, params, lora_request=loras)])
         assert outs[0] == outs[1] and llm.engine.get_stats()["spec_verify_rows"] > 0
+        assert seen == ({"a1", None} if loras else {None})

@@ -56,15 +56,19 @@ class MtpStep:
         self.graphs_q = (k + 1) ** 2  # the query length of a full MTP chunk
 
     def lora_rows(self, chunks: list, batch: StepBatch, adapter_rows: list[int] | None) -> list[int]:
-        """Each row's LoRA slot: the gate's on mask rows, -1 on real rows of MTP chunks (their
-        requests have no adapter), the request's adapter elsewhere (`adapter_rows`: the LoRA manager's,
-        one entry per scheduled token, None when no chunk has an adapter)."""
+        """Each row's LoRA slot: the gate's on mask rows, the request's adapter (or -1) on every other
+        row, real rows of MTP chunks included, so that verification scores with the model the request
+        asked for (`adapter_rows`: the LoRA manager's, one entry per scheduled token, None when no
+        chunk has an adapter). A mask row takes the gate alone: its drafts come from the base model
+        with the gate, reading the adapted model's keys, which only lowers their acceptance."""
         rows = np.full(len(batch.input_ids), -1, dtype=np.int32)
         if adapter_rows is not None:
             src = dst = 0
             for chunk, q in zip(chunks, batch.query_lens):
                 if q == chunk.num_tokens:  # not an MTP chunk: its rows are its tokens
                     rows[dst : dst + q] = adapter_rows[src : src + q]
+                else:  # every token of a chunk is its request's
+                    rows[dst : dst + q] = adapter_rows[src]
                 src, dst = src + chunk.num_tokens, dst + q
         rows[batch.mask_rows] = self.lora_slot
         return rows.tolist()

@@ -78,8 +78,6 @@ class Speculator:
             and (seq.spec is None or not seq.spec.off)
             and seq.num_tokens + self.reach <= self.max_model_len
             and params.max_tokens - seq.num_output >= 2
-            # the MTP gate is one LoRA slot per row: an adapter's request decodes plainly
-            and not (self.mtp and seq.request.lora_request is not None)
         )
 
     def idle(self, running: list[Sequence]) -> bool:
