@@ -45,7 +45,7 @@ class TPModel(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The input vectors of `input_ids` [N] (a gated-LoRA MTP draft's previous tokens): every rank
         looks up its vocabulary rows, and the all-reduce sums them."""
-        input_ids = input_ids.contiguous()
+        input_ids = input_ids.to(torch.long).contiguous()  # the workers receive int64
         self.group.send([tp_wire.EMBED, input_ids.shape[0]])
         with self.group.guard():
             dist.broadcast(input_ids, 0)
