@@ -73,16 +73,16 @@ def _check(x: torch.Tensor, one_shot, world: int) -> None:
             raise RuntimeError(f"{name}: sum {got}, expected {want}")
 
 
-def _worker(rank: int, world: int, port: int, queue) -> None:
+def _worker(rank: int, world: int, port: int, queue, sizes: tuple[int, ...] = SIZES_KIB) -> None:
     from engine.models.all_reduce import OneShot
 
     os.environ.update(NO_MULTICAST)
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    one_shot = OneShot(device, torch.bfloat16, max(SIZES_KIB) * 1024)
+    one_shot = OneShot(device, torch.bfloat16, max(sizes) * 1024)
     rows = []
-    for kib in SIZES_KIB:
+    for kib in sizes:
         x = torch.ones(kib * 512, dtype=torch.bfloat16, device=device)
         _check(x, one_shot, world)
         row = {"world": world, "kib": kib}
@@ -102,10 +102,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def measure(world: int) -> list[dict]:
+def measure(world: int, sizes: tuple[int, ...] = SIZES_KIB) -> list[dict]:
+    """The rows of one world size: per message size (KiB), NCCL and one-shot, plain and in a graph."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    mp.spawn(_worker, args=(world, _free_port(), queue), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, _free_port(), queue, tuple(sizes)), nprocs=world, join=True)
     return queue.get()
 
 

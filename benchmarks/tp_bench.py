@@ -1,7 +1,6 @@
 """Tensor parallelism against one GPU in the same run: decode tok/s, rooflines, all-reduce share, top-1.
 
-    python -m benchmarks.tp_bench --model CKPT --tp 1,2,4 \
-        --allreduce benchmarks/reports/gpu/tp_allreduce.json --out benchmarks/reports/gpu/tp_bench_8b
+    python -m benchmarks.tp_bench --model CKPT --tp 1,2,4 --out benchmarks/reports/gpu/tp_bench_8b
 
 For each TP size (each in turn, its workers stopped before the next starts):
   * (a) batch-1 decode and (b) batch-64 decode at 1k context, timed step by step as benchmarks/bench.py
@@ -10,7 +9,9 @@ For each TP size (each in turn, its workers stopped before the next starts):
   * the roofline of each: the bytes one GPU reads per step (its share of the weights and of the KV) over
     the measured copy bandwidth;
   * the all-reduce time a step holds: 2 per layer and 1 for the embedding, each of batch x hidden bf16,
-    timed per message size by benchmarks/tp_allreduce.py (--allreduce), NCCL and one-shot in a graph;
+    timed per message size by benchmarks/tp_allreduce.py, NCCL and one-shot in a graph: measured in
+    this run after the decode runs (--allreduce measure, the default), or from a table it wrote on
+    the same kind of GPU (--allreduce FILE);
   * teacher-forced top-1: the greedy choice at every position of 64 fixed prompts (prompt_logprobs),
     all 64 in one batch, against TP=1's; TP=1 is also compared with itself one prompt at a time, which
     is the agreement bf16's reduction order alone leaves on random weights.
@@ -70,6 +71,25 @@ def allreduce_us(table: list[dict], tp: int, kib: float, path: str) -> float | N
         if r["kib"] >= kib:
             return r[f"{path}_graph_us"]
     return None
+
+
+def message_kib(cfg: dict, batches: tuple[int, ...] = (1, 64)) -> tuple[int, ...]:
+    """The all-reduce message sizes (KiB, rounded up) of a decode step at each batch size."""
+    return tuple(sorted({-(-b * cfg["hidden_size"] * 2 // 1024) for b in batches}))
+
+
+def measured_table(worlds: list[int], cfg: dict, measure=None) -> list[dict]:
+    """benchmarks/tp_allreduce.py's rows for `worlds`, measured now at this model's message sizes; a
+    world that fails to measure is reported and left out (its columns stay empty)."""
+    if measure is None:
+        from benchmarks.tp_allreduce import measure
+    rows = []
+    for world in worlds:
+        try:
+            rows += measure(world, message_kib(cfg))
+        except Exception as exc:  # the decode figures stand without it
+            print(f"all-reduce timing on {world} GPUs failed: {exc}", file=sys.stderr, flush=True)
+    return rows
 
 
 def allreduce_table(path: Path, gpu: str | None) -> list[dict]:
@@ -220,7 +240,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True)
     ap.add_argument("--tp", default="1,2")
-    ap.add_argument("--allreduce", default="benchmarks/reports/gpu/tp_allreduce.json")
+    ap.add_argument("--allreduce", default="measure", help="'measure' (in this run) or a tp_allreduce JSON")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--paths", default="one-shot,nccl", help="all-reduce paths to run at TP > 1, in order")
     ap.add_argument("--job-timeout-s", type=float, default=300)
@@ -246,7 +266,10 @@ def main(argv: list[str] | None = None) -> None:
                 a, b = run["a"]["tok_s"], run["b"]["tok_s"]
                 print(f"tp={tp} one_shot={one_shot}: (a) {a:.1f} (b) {b:.1f} tok/s", flush=True)
     env = environment()
-    table = allreduce_table(Path(args.allreduce), env["hardware"].get("gpu"))
+    if args.allreduce == "measure":
+        table = measured_table(sorted({r["tp"] for r in runs if r["tp"] > 1}), cfg)
+    else:
+        table = allreduce_table(Path(args.allreduce), env["hardware"].get("gpu"))
     base = next((r for r in runs if r["tp"] == 1), None)
     report = {
         "env": env,

@@ -43,3 +43,24 @@ def test_an_allreduce_table_from_another_gpu_is_not_used(tmp_path):
     assert tp_bench.allreduce_table(path, "NVIDIA H200") == [{"world": 2}]
     assert tp_bench.allreduce_table(path, "NVIDIA H100 80GB HBM3") == []
     assert tp_bench.allreduce_table(tmp_path / "missing.json", "NVIDIA H200") == []
+
+
+def test_the_allreduce_table_is_measured_at_the_models_message_sizes(capsys):
+    """--allreduce measure: one tp_allreduce run per TP size at the step's message sizes (batch 1 and 64
+    of the hidden size in bf16), whose rows then give each step's estimate; a size that fails to
+    measure is reported and its columns stay empty."""
+    calls = []
+
+    def measure(world, sizes):
+        calls.append((world, sizes))
+        if world == 4:
+            raise RuntimeError("no peer access")
+        return [{"world": world, "kib": kib, "nccl_graph_us": 2.0 * kib, "one_shot_graph_us": 1.0 * kib}
+                for kib in sizes]  # fmt: skip
+
+    table = tp_bench.measured_table([2, 4], CFG, measure)
+    assert calls == [(2, (8, 512)), (4, (8, 512))]  # 1 x 4096 and 64 x 4096 bf16 values
+    assert "4 GPUs failed: no peer access" in capsys.readouterr().err
+    assert tp_bench.step_allreduce(table, 2, CFG, 64)["one_shot_ms"] == 5 * 512.0 / 1e3
+    assert tp_bench.step_allreduce(table, 4, CFG, 1)["nccl_ms"] is None
+    assert tp_bench.message_kib({"hidden_size": 8192}) == (16, 1024)  # the 70B shape
