@@ -13,7 +13,7 @@ multicast (no multimem operation is called, and the group's processes run with m
 off, see engine/runner/tp_group.NO_MULTICAST).
 
 Where a row-parallel projection feeds the next RMSNorm (every plain decoder layer), the all-reduce, the
-residual add and the norm are one kernel for messages the fused path takes (`reduce_add_rms_norm`,
+residual add and the norm are one kernel for messages the fused path takes (`allreduce_add_rms_norm`,
 kernels/triton_allreduce_norm.py): it saves the norm's launch and one of the one-shot kernel's two
 barriers, and, launched with PDL, lets the next GEMV start streaming its weights while it waits.
 

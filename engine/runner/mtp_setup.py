@@ -16,10 +16,15 @@ from engine.runner.mtp_step import MtpGraphs
 from engine.spec.mtp_head import MtpDir, MtpHead, check_mtp_dir, load_mtp_head, load_mtp_lora
 
 
+def _mtp_spec(config: EngineConfig):
+    """The speculative config of an MTP engine, else None."""
+    spec = config.speculative
+    return spec if spec is not None and spec.method == "gated_lora_mtp" else None
+
+
 def load_head(config: EngineConfig, model_config, dtype: torch.dtype, device) -> MtpHead | None:
     """The checked head of an MTP engine, else None."""
-    spec = config.speculative
-    if spec is None or spec.method != "gated_lora_mtp":
+    if (spec := _mtp_spec(config)) is None:
         return None
     return load_mtp_head(spec.model, model_config, spec.num_speculative_tokens, dtype, device)
 
@@ -27,8 +32,7 @@ def load_head(config: EngineConfig, model_config, dtype: torch.dtype, device) ->
 def mtp_source(config: EngineConfig, model_config) -> MtpDir | None:
     """The checked MTP directory of an MTP engine (its gate's adapter), else None: what a
     tensor-parallel worker needs, which runs the forward but never the sampler head."""
-    spec = config.speculative
-    if spec is None or spec.method != "gated_lora_mtp":
+    if (spec := _mtp_spec(config)) is None:
         return None
     return check_mtp_dir(spec.model, model_config, spec.num_speculative_tokens)
 
