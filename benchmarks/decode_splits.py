@@ -7,6 +7,12 @@ programs, and kernels.triton_decode_attention.choose_num_splits picks its split 
 This times one layer's decode attention (bf16 cache, block size 16, one graph replay per timing) at
 every split count up to 16, for each (batch, query heads, KV heads, context) case, and reports the
 fastest count beside the rule's. Writes JSON and a markdown table.
+
+    python -m benchmarks.decode_splits --configs --out benchmarks/reports/gpu/decode_configs_h100
+
+With --configs it times, for the 8B shape's batch-64 cases at TP=1 and 2, every (BLOCK_N, num_warps,
+num_stages) of a small grid at the split counts around the rule's, against decode_config's choice (the
+first row of each case).
 """
 
 from __future__ import annotations
@@ -35,8 +41,12 @@ SPLITS = [1, 2, 3, 4, 5, 6, 8, 12, 16]
 BLOCK = 16
 
 
-def time_case(batch: int, hq: int, hk: int, ctx: int, splits: list[int]) -> dict[int, float]:
-    """Microseconds of one decode_attention call per split count (median of graph replays)."""
+CONFIGS = [(bn, w, st) for bn in (32, 64, 128) for w in (2, 4, 8) for st in (2, 3, 4)]
+
+
+def time_case(batch: int, hq: int, hk: int, ctx: int, splits: list[int], config=None) -> dict[int, float]:
+    """Microseconds of one decode_attention call per split count (median of graph replays); `config`
+    (BLOCK_N, num_warps, num_stages) in place of decode_config's."""
     import triton.testing
 
     from kernels.triton_decode_attention import decode_attention
@@ -54,22 +64,61 @@ def time_case(batch: int, hq: int, hk: int, ctx: int, splits: list[int]) -> dict
     for s in splits:
 
         def call(s=s):
-            decode_attention(q, k_cache, v_cache, tables, lens, 0.088, num_splits=s, out=out)
+            decode_attention(q, k_cache, v_cache, tables, lens, 0.088, num_splits=s, out=out, config=config)
 
         call()
         times[s] = 1e3 * triton.testing.do_bench_cudagraph(call, rep=60)
     return times
 
 
+def sweep_configs(out: str) -> int:
+    """Every config of CONFIGS at splits 1..4 (and the rule's) for the batch-64, 1k-context cases of
+    the 8B shape at TP=1 and TP=2."""
+    from kernels.triton_decode_attention import _sm_count, choose_num_splits, decode_config
+
+    sms, rows = _sm_count(torch.device("cuda")), []
+    default = decode_config(128)
+    for label, batch, hq, hk, ctx in [c for c in CASES if c[1] == 64 and c[4] == 1000 and c[3] >= 4]:
+        for config in [default] + [c for c in CONFIGS if c != default]:
+            rule = choose_num_splits(batch, hk, -(-ctx // BLOCK), BLOCK, config[0], sms)
+            try:
+                times = time_case(batch, hq, hk, ctx, sorted({1, 2, 3, 4, rule}), config)
+            except Exception as e:  # a config past the shared-memory limit
+                print(f"{label} {config}: {type(e).__name__}", flush=True)
+                continue
+            best = min(times, key=times.get)
+            rows.append({"label": label, "batch": batch, "q_heads": hq, "kv_heads": hk, "context": ctx,
+                         "config": config, "us": times, "rule": rule, "best": best})  # fmt: skip
+            print(f"{label} {config}: rule {rule} {times[rule]:.1f}, best {best} {times[best]:.1f}")
+    lines = [
+        "# Decode attention: microseconds per layer by (BLOCK_N, num_warps, num_stages) and split count",
+        "",
+        f"{torch.cuda.get_device_name()} ({sms} SMs), torch {torch.__version__}; bf16 cache, block {BLOCK}, "
+        f"head_dim 128, context 1000. Command: `python -m benchmarks.decode_splits --configs --out {out}`",
+        "",
+        "| case | config | 1 | 2 | 3 | 4 | rule | at rule | best |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        cells = " | ".join(f"{r['us'].get(s, float('nan')):.1f}" for s in (1, 2, 3, 4))
+        lines.append(f"| {r['label']} b{r['batch']} | {r['config']} | {cells} | {r['rule']} | "
+                     f"{r['us'][r['rule']]:.1f} | {r['best']} |")  # fmt: skip
+    write_report(out, {"env": environment(), "sm_count": sms, "rows": rows}, "\n".join(lines) + "\n")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="decode_splits", help="report stem (.json and .md)")
+    parser.add_argument("--configs", action="store_true", help="sweep the kernel's tile configs instead")
     args = parser.parse_args(argv)
     from kernels.triton_decode_attention import _sm_count, choose_num_splits, decode_config
 
     if not torch.cuda.is_available():
         print("decode_splits needs a CUDA GPU", file=sys.stderr)
         return 2
+    if args.configs:
+        return sweep_configs(args.out)
     sms = _sm_count(torch.device("cuda"))
     block_n = decode_config(128)[0]
     rows = []

@@ -224,10 +224,12 @@ def decode_attention(
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
     cu_seqlens_q: torch.Tensor | None = None,
+    config: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
     """q: [B, Hq, D] (one new token per sequence, already in the cache); caches [N, page, Hk, D];
     block_tables [B, max_blocks] int32; seq_lens [B] int32 on the device. Returns [B, Hq, D]
-    (written into `out` when given). num_splits overrides the shape-derived split count.
+    (written into `out` when given). num_splits overrides the shape-derived split count, config
+    (BLOCK_N, num_warps, num_stages) decode_config's choice (benchmarks/decode_splits.py sweeps both).
 
     With cu_seqlens_q ([B + 1] int32), q is a mixed packed batch [T, Hq, D]: sequence b's query rows
     are cu_seqlens_q[b] : cu_seqlens_q[b + 1], and only sequences with exactly one are attended (their
@@ -242,7 +244,7 @@ def decode_attention(
     if batch == 0 or q.shape[0] == 0:
         return out
     group = num_q_heads // num_kv_heads
-    block_n, num_warps, num_stages = decode_config(head_dim, k_cache.dtype == torch_ops.FP8_DTYPE)
+    block_n, num_warps, num_stages = config or decode_config(head_dim, k_cache.dtype == torch_ops.FP8_DTYPE)
     if num_splits is None:
         num_splits = choose_num_splits(
             batch, num_kv_heads, block_tables.shape[1], page, block_n, _sm_count(q.device), sliding_window

@@ -1,7 +1,9 @@
 """Gated-LoRA MTP on a GPU: its steps through the Triton visibility attention, eagerly and as captured
 graphs, give in float32 exactly the greedy text of plain decoding (CUDA-graph decode through the decode
 kernel), with the random head (every proposal rejected) and with proposals from the plain run (most
-accepted), and leak no KV block."""
+accepted), and leak no KV block. On two GPUs the same holds under tensor parallelism (eager MTP steps,
+every rank running the mask rows under its share of the gate), and for requests with a LoRA adapter
+through the captured MTP graphs (real rows under the adapter, mask rows under the gate)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ import random
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import LLM, LoRARequest, SamplingParams
+from scripts.make_lora import make_lora
 from scripts.make_mtp import write_mtp_dir
 from tests.test_spec_mtp import with_drafts
 
@@ -23,9 +26,9 @@ def _prompts() -> list[list[int]]:
     return [[rng.randrange(100, 1500) for _ in range(rng.randint(5, 90))] for _ in range(6)]
 
 
-def _run(llm: LLM) -> list[list[int]]:
+def _run(llm: LLM, loras: list | None = None) -> list[list[int]]:
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    out = [r.outputs[0].token_ids for r in llm.generate(_prompts(), params)]
+    out = [r.outputs[0].token_ids for r in llm.generate(_prompts(), params, lora_request=loras)]
     assert llm.engine.audit() == [] and llm.engine.block_manager.num_used == 0
     return out
 
@@ -60,3 +63,53 @@ def test_mtp_steps_give_plain_greedy_text(tiny_model_dir, tmp_path, plain, eager
     assert stats["spec_verify_rows"] > 0
     assert (stats["spec_accepted_tokens"] > stats["spec_draft_tokens"] // 2) == (drafts == "plain run")
     assert bool(replays) == (not eager)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_mtp_under_tensor_parallelism_gives_plain_greedy_text(tiny_model_dir, tmp_path, plain):
+    """One engine (a CUDA process runs one tensor-parallel engine, engine/runner/tp_group.close): the
+    head's drafts (all rejected), then the plain run's (most accepted)."""
+    head = write_mtp_dir(tmp_path / "mtp", tiny_model_dir, num_mask_tokens=K, rank=8)
+    spec = {"method": "gated_lora_mtp", "num_speculative_tokens": K, "model": str(head),
+            "disable_below_acceptance": 0.0}  # fmt: skip
+    llm = LLM(str(tiny_model_dir), dtype="float32", device="cuda", max_num_seqs=16, num_blocks=400,
+              tensor_parallel_size=2, speculative_config=spec)  # fmt: skip
+    full = {tuple(p): p + o for p, o in zip(_prompts(), plain)}
+
+    def future(seq, kept, bonus):
+        at = seq.num_computed + kept + 2
+        return (full[tuple(seq.request.prompt_ids)][at : at + K] + [0] * K)[:K]
+
+    keys, stats = ("spec_verify_rows", "spec_draft_tokens", "spec_accepted_tokens"), []
+    try:
+        assert llm.engine.runner.tp is not None and llm.engine.runner.mtp is not None
+        for drafts in ("head", "plain run"):
+            if drafts == "plain run":
+                with_drafts(llm, future)
+            assert _run(llm) == plain, drafts
+            stats.append([llm.engine.get_stats()[k] for k in keys])
+    finally:
+        llm.engine.runner.shutdown()
+    (rows_1, drafted_1, kept_1), (rows_2, drafted_2, kept_2) = stats[0], [b - a for a, b in zip(*stats)]
+    assert rows_1 > 0 and rows_2 > 0
+    assert kept_1 <= drafted_1 // 2 and kept_2 > drafted_2 // 2
+
+
+def test_mtp_for_adapter_requests_through_graphs(tiny_model_dir, tmp_path, plain):
+    adapter = LoRARequest("a1", 1, str(make_lora(tiny_model_dir, tmp_path / "a1", rank=8, targets="all")))
+    loras = [adapter, None] * 3
+    head = write_mtp_dir(tmp_path / "mtp", tiny_model_dir, num_mask_tokens=K, rank=8)
+    spec = {"method": "gated_lora_mtp", "num_speculative_tokens": K, "model": str(head),
+            "disable_below_acceptance": 0.0}  # fmt: skip
+    kw = dict(dtype="float32", device="cuda", max_num_seqs=16, num_blocks=400, enable_lora=True,
+              max_loras=2, max_lora_rank=8)  # fmt: skip
+    adapted = _run(LLM(str(tiny_model_dir), **kw), loras)
+    llm = LLM(str(tiny_model_dir), speculative_config=spec, **kw)
+    step, replays = llm.engine.runner.mtp, []
+    run = step.graphs.run
+    step.graphs.run = lambda *a: replays.append(1) or run(*a)
+    assert _run(llm, loras) == adapted and replays
+    assert llm.engine.get_stats()["spec_verify_rows"] > 0
+    base = [i for i, lora in enumerate(loras) if lora is None]
+    assert [adapted[i] for i in base] == [plain[i] for i in base]
+    assert sum(adapted[i] != plain[i] for i in range(len(loras)) if i not in base) >= 2  # the adapter acts
