@@ -127,12 +127,17 @@ def configs(args) -> list[tuple[str, dict | None, list]]:
             out.append((f"draft {args.draft}, k={k}", cfg, alphas))
         if "mtp" in args.proposers:
             out.append((f"gated-LoRA MTP, k={k}", mtp_config(args, k), alphas))
+            if args.mtp_draft_vocab:
+                label = f"gated-LoRA MTP, k={k}, draft vocabulary {args.mtp_draft_vocab}"
+                out.append((label, mtp_config(args, k, vocab=True), alphas))
     return out
 
 
-def mtp_config(args, k: int, **kw) -> dict:
-    """gated_lora_mtp with the random head of the target's shape (batch cut-off: its default)."""
-    return {"method": "gated_lora_mtp", "model": str(args.mtp_dir), "num_speculative_tokens": k,
+def mtp_config(args, k: int, vocab: bool = False, **kw) -> dict:
+    """gated_lora_mtp with the random head of the target's shape (batch cut-off: its default); `vocab`:
+    the head with a draft vocabulary of --mtp-draft-vocab tokens."""
+    path = args.mtp_vocab_dir if vocab else args.mtp_dir
+    return {"method": "gated_lora_mtp", "model": str(path), "num_speculative_tokens": k,
             "synthetic_acceptance_rate": 0.0, **kw}  # fmt: skip
 
 
@@ -212,6 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--profile", action="store_true", help="also profile plain decode and verify steps by kernel"
     )
+    ap.add_argument(
+        "--mtp-draft-vocab", type=int, default=0, help="also the MTP head drafting among N tokens"
+    )
     ap.add_argument("--out", required=True, help="PREFIX for PREFIX.json and PREFIX.md")
     args = ap.parse_args(argv)
     from benchmarks.bench import make_checkpoint
@@ -227,6 +235,9 @@ def main(argv: list[str] | None = None) -> int:
         from scripts.make_mtp import write_mtp_dir
 
         args.mtp_dir = write_mtp_dir(Path(f"{args.target_dir}-mtp"), args.target_dir, max(args.ks))
+        if args.mtp_draft_vocab:
+            path, n = Path(f"{args.target_dir}-mtp-vocab{args.mtp_draft_vocab}"), args.mtp_draft_vocab
+            args.mtp_vocab_dir = write_mtp_dir(path, args.target_dir, max(args.ks), draft_vocab_size=n)
     batches = [int(b) for b in args.batches.split(",")]
     report = {
         "command": "python -m benchmarks.spec_bench " + " ".join(sys.argv[1:] if argv is None else argv)

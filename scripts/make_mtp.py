@@ -1,7 +1,7 @@
 """Write a random gated-LoRA MTP directory (speculative method gated_lora_mtp) for a target model.
 
     python -m scripts.make_model --mtp MODEL OUT_DIR [--num-mask-tokens 8] [--rank 16] [--alpha 32]
-                                 [--seed S] [--dtype bf16|fp32]
+                                 [--seed S] [--dtype bf16|fp32] [--draft-vocab-size N]
 
 MODEL is a shape of scripts/model_shapes.py (tiny, llama-3.2-1b, llama-3.1-8b, qwen3-0.6b, gemma-3-1b,
 ...; no checkpoint needed) or a checkpoint directory (its config.json gives the shapes). OUT_DIR gets
@@ -10,7 +10,9 @@ seven projections of every layer, named as peft names them, so peft loads it too
 mtp_head.safetensors. The weights are small and random so the target stays numerically sane in bf16:
 A ~ N(0, 1/in_features), B ~ N(0, B_STD^2), mask embeddings with the std of the target's embedding
 output (Gemma's scale included), fc1 ~ N(0, 1/(2H)), fc2 ~ N(0, (FC2_GAIN^2)/H), norm 1 + N(0, 0.1^2).
-Each tensor is drawn from its own generator, seeded from (seed, tensor name).
+Each tensor is drawn from its own generator, seeded from (seed, tensor name). With --draft-vocab-size N
+the head drafts among N tokens (draft_token_ids): here N distinct ids drawn at random, where a trained
+head would list its corpus's N most frequent tokens.
 """
 
 from __future__ import annotations
@@ -97,9 +99,11 @@ def write_mtp_dir(
     seed: int = 0,
     dtype: str | None = None,
     alpha: float | None = None,
+    draft_vocab_size: int | None = None,
 ) -> Path:
     """Write a random MTP directory for `model` (a shape name, a ModelSpec or a checkpoint directory)
-    into `path`; dtype bf16 | fp32 (default: the target's); alpha defaults to 2 * rank."""
+    into `path`; dtype bf16 | fp32 (default: the target's); alpha defaults to 2 * rank; with
+    draft_vocab_size N, a draft vocabulary of N random ids."""
     cfg, label, embed_std, default_dtype = target(model)
     torch_dtype = TORCH_DTYPES[dtype or default_dtype]
     out = Path(path)
@@ -107,16 +111,28 @@ def write_mtp_dir(
     (out / mtp_head.CONFIG_FILE).unlink(missing_ok=True)  # written last: its presence marks a complete dir
 
     def save(tensors: dict[str, torch.Tensor], name: str) -> None:
-        tensors = {k: v.to(torch_dtype).contiguous() for k, v in tensors.items()}
+        tensors = {
+            k: (v if k == mtp_head.DRAFT_IDS else v.to(torch_dtype)).contiguous() for k, v in tensors.items()
+        }
         save_file(tensors, str(out / name), metadata={"format": "pt"})
         (out / name).chmod(0o644)  # safetensors creates files private to the owner
 
     save(lora_tensors(ModuleShapes.of(cfg), rank, seed), "adapter_model.safetensors")
     config = adapter_config(label, rank, float(alpha or 2 * rank), list(SUPPORTED_MODULES), False)
     (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    save(head_tensors(cfg, num_mask_tokens, embed_std, seed), mtp_head.HEAD_FILE)
+    head = head_tensors(cfg, num_mask_tokens, embed_std, seed)
+    if draft_vocab_size:
+        if not 1 <= draft_vocab_size <= cfg.vocab_size:
+            raise ValueError(
+                f"draft_vocab_size {draft_vocab_size}: give 1..{cfg.vocab_size} (the vocabulary)"
+            )
+        gen = torch.Generator().manual_seed(tensor_seed(seed, f"mtp.{mtp_head.DRAFT_IDS}"))
+        head[mtp_head.DRAFT_IDS] = torch.randperm(cfg.vocab_size, generator=gen)[:draft_vocab_size]
+    save(head, mtp_head.HEAD_FILE)
     mtp = {"format": mtp_head.FORMAT, "version": mtp_head.VERSION, "num_mask_tokens": num_mask_tokens,
            "hidden_size": cfg.hidden_size}  # fmt: skip
+    if draft_vocab_size:
+        mtp["draft_vocab_size"] = draft_vocab_size
     (out / mtp_head.CONFIG_FILE).write_text(json.dumps(mtp, indent=2) + "\n")
     return out
 
@@ -134,12 +150,14 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--alpha", type=float, default=None, help="lora_alpha (default: 2 * rank)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=sorted(TORCH_DTYPES), default=None, help="default: the target's")
+    parser.add_argument("--draft-vocab-size", type=int, default=None, help="N: draft among N tokens")
     args = parser.parse_args(argv)
     if args.num_mask_tokens < 1 or args.rank < 1:
         parser.error("--num-mask-tokens and --rank must be >= 1")
     out = write_mtp_dir(
-        args.out_dir, args.mtp, args.num_mask_tokens, args.rank, args.seed, args.dtype, args.alpha
-    )
+        args.out_dir, args.mtp, args.num_mask_tokens, args.rank, args.seed, args.dtype, args.alpha,
+        args.draft_vocab_size,
+    )  # fmt: skip
     print(
         f"wrote a gated-LoRA MTP directory (K={args.num_mask_tokens}, rank {args.rank}) of {args.mtp}: {out}"
     )

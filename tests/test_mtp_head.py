@@ -147,6 +147,16 @@ def edited(good, tmp_path, config=None, tensors=None, drop_file=None):
         (dict(tensors={"sampler.norm.weight": torch.ones(64, dtype=torch.int32)}), 4,
          [HEAD, "sampler.norm.weight", "dtype I32"]),
         (dict(tensors={"lm_head.weight": torch.zeros(2, 2)}), 4, [HEAD, "unexpected", "lm_head.weight"]),
+        (dict(config={"draft_vocab_size": 8}), 4, [HEAD, "draft_token_ids is missing", "[8]"]),
+        (dict(tensors={"draft_token_ids": torch.arange(8)}), 4, [HEAD, "unexpected", "draft_token_ids"]),
+        (dict(config={"draft_vocab_size": 0}), 4, [CONFIG, "draft_vocab_size is 0"]),
+        (dict(config={"draft_vocab_size": 10**6}), 4, [CONFIG, "draft_vocab_size is 1000000", "vocabulary"]),
+        (dict(config={"draft_vocab_size": 3}, tensors={"draft_token_ids": torch.tensor([1.0, 2.0, 3.0])}), 4,
+         [HEAD, "draft_token_ids", "dtype F32"]),
+        (dict(config={"draft_vocab_size": 3}, tensors={"draft_token_ids": torch.tensor([4, 9, 4])}), 4,
+         [HEAD, "draft_token_ids repeats ids"]),
+        (dict(config={"draft_vocab_size": 2}, tensors={"draft_token_ids": torch.tensor([4, 10**6])}), 4,
+         [HEAD, "draft_token_ids holds ids outside the target's vocabulary 0..2047"]),
     ],
 )  # fmt: skip
 def test_a_broken_directory_is_refused_naming_what_is_wrong(cfg, good, tmp_path, edit, k, parts):
@@ -154,6 +164,36 @@ def test_a_broken_directory_is_refused_naming_what_is_wrong(cfg, good, tmp_path,
     with pytest.raises(ValueError, match=r"^speculative_config\.model: ") as info:
         load_mtp_head(bad, cfg, k, torch.float32, "cpu")
     assert all(p in str(info.value) for p in parts), str(info.value)
+
+
+@pytest.mark.parametrize("family", ["tiny", "tiny-gemma3"])
+def test_drafts_over_a_draft_vocabulary_are_the_argmax_of_its_rows(family, tmp_path):
+    """With draft_token_ids the head drafts the best of those tokens by the full logits (float64
+    recompute, every other column masked), which is not always the full argmax."""
+    cfg = target(family)[0]
+    model = get_model_class(cfg.model_type)(cfg)
+    gen = torch.Generator().manual_seed(1)
+    for p in (model.model.embed_tokens.weight, *([] if model.lm_head is None else [model.lm_head.weight])):
+        p.copy_(torch.randn(p.shape, generator=gen))
+    n = cfg.vocab_size // 8
+    out = write_mtp_dir(tmp_path / "v", family, 4, 4, dtype="fp32", draft_vocab_size=n)
+    head = load_mtp_head(out, cfg, 4, torch.float32, "cpu")
+    ids = head.draft_token_ids
+    assert ids.dtype == torch.long and len(set(ids.tolist())) == n and torch.equal(ids, ids.sort().values)
+    assert torch.equal(ids, load_file(out / HEAD)["draft_token_ids"].sort().values)
+    with torch.no_grad():
+        head.sampler.fc2.weight.mul_(20.0)
+    h, prev = (
+        torch.randn(64, cfg.hidden_size, generator=gen),
+        torch.randint(0, cfg.vocab_size, (64,), generator=gen),
+    )
+    full = head.draft_logits(h, prev, model.embed, model.compute_logits).double()
+    head.bind_logits_weight(model.logits_weight())
+    got = head.draft(h, prev, model.embed, model.compute_logits)
+    masked = torch.full_like(full, float("-inf"))
+    masked[:, ids] = full[:, ids]
+    assert torch.equal(got, masked.argmax(-1))
+    assert (got != full.argmax(-1)).any()  # the restriction changes some drafts
 
 
 def test_an_adapter_that_does_not_fit_the_target_is_refused(cfg, good, tmp_path):

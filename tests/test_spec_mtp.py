@@ -42,6 +42,14 @@ def mtp_dir(tiny_model_dir, tmp_path_factory):
     return write_mtp_dir(tmp_path_factory.mktemp("mtp") / "head", tiny_model_dir, num_mask_tokens=4, rank=8)
 
 
+@pytest.fixture(scope="module")
+def vocab_dir(tiny_model_dir, tmp_path_factory):
+    """A head that drafts among a quarter of the vocabulary (draft_token_ids)."""
+    vocab = json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"]
+    out = tmp_path_factory.mktemp("mtp") / "vocab"
+    return write_mtp_dir(out, tiny_model_dir, num_mask_tokens=4, rank=8, draft_vocab_size=vocab // 4)
+
+
 def mtp(mtp_dir, **kw) -> dict:
     """The engine's config; every running sequence speculates (no batch cut-off) unless kw says."""
     cfg = {"method": "gated_lora_mtp", "num_speculative_tokens": K, "model": str(mtp_dir)}
@@ -141,9 +149,15 @@ def reference_drafts(model, head, slot: int, tokens: list[int], bonus: int) -> l
     return out
 
 
-def test_drafts_equal_a_causal_recompute(tiny_model_dir, mtp_dir):
-    llm = make_llm(tiny_model_dir, mtp(mtp_dir, disable_below_acceptance=0.0), block_size=4)
+@pytest.mark.parametrize("head", ["whole vocabulary", "draft vocabulary"])
+def test_drafts_equal_a_causal_recompute(tiny_model_dir, mtp_dir, vocab_dir, head):
+    path = vocab_dir if head == "draft vocabulary" else mtp_dir
+    llm = make_llm(tiny_model_dir, mtp(path, disable_below_acceptance=0.0), block_size=4)
     runner, checked = llm.engine.runner, []
+    ids = runner.mtp_head.draft_token_ids
+    assert (ids is None) == (head == "whole vocabulary") and (runner.mtp_head.draft_weight is None) == (
+        ids is None
+    )
 
     def future(seq, kept, bonus):
         tokens = seq.token_ids[: seq.num_computed + 1] + seq.draft[:kept]
@@ -168,6 +182,16 @@ def test_drafts_equal_a_causal_recompute(tiny_model_dir, mtp_dir):
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     llm.generate([list(range(40, 70)), [3, 1, 4, 1, 5], list(range(7, 19))], params)
     assert len(checked) >= 9
+    if ids is not None:  # every draft is a token of the draft vocabulary
+        assert set(t for row in checked for t in row) <= set(ids.tolist())
+
+
+def test_a_draft_vocabulary_keeps_greedy_output(tiny_model_dir, vocab_dir, plain_runs):
+    prompts, params, plain, _ = plain_runs
+    llm = make_llm(tiny_model_dir, mtp(vocab_dir, disable_below_acceptance=0.0), **SCENARIOS["preempt"])
+    assert generate(llm, prompts, params) == plain["preempt"]
+    stats = llm.engine.get_stats()
+    assert stats["spec_verify_rows"] > 0 and stats["num_preemptions"] > 0
 
 
 @pytest.fixture(scope="module")

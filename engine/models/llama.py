@@ -157,10 +157,13 @@ class LlamaForCausalLM(nn.Module):
         hidden, _ = self.model.norm.add_forward(hidden, residual)
         return hidden
 
+    def logits_weight(self) -> torch.Tensor:
+        """The LM head's weight [V, H]: the embedding's when they are tied."""
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, H] -> logits [N, V] in the model dtype (with the final softcap if configured)."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = ops.linear(hidden, weight)
+        logits = ops.linear(hidden, self.logits_weight())
         cap = self.cfg.final_logit_softcapping
         if cap:
             logits = torch.tanh(logits / cap) * cap

@@ -106,7 +106,7 @@ class ModelRunner:
             shard=None if self.tp is None else self.tp.shard,
         )  # fmt: skip
         # gated-LoRA MTP: mask embeddings and sampler head (None for other engines)
-        self.mtp_head = mtp_setup.load_head(config, self.model_config, self.dtype, self.device)
+        self.mtp_head = mtp_setup.load_head(config, self.model, self.model_config, self.dtype, self.device)
         self.lora = self._wrap_model(config)  # LoRA layers (None unless enable_lora), TPModel with TP
         max_pos = self.model_config.max_position_embeddings
         self.max_model_len = min(config.load.max_model_len or min(max_pos, 8192), max_pos)

@@ -4,6 +4,7 @@ runs the steps)."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 
 import torch
@@ -15,6 +16,8 @@ from engine.runner.kv_cache import KVCacheSpec
 from engine.runner.mtp_step import MtpGraphs
 from engine.spec.mtp_head import MtpDir, MtpHead, check_mtp_dir, load_mtp_head, load_mtp_lora
 
+log = logging.getLogger(__name__)
+
 
 def _mtp_spec(config: EngineConfig):
     """The speculative config of an MTP engine, else None."""
@@ -22,11 +25,17 @@ def _mtp_spec(config: EngineConfig):
     return spec if spec is not None and spec.method == "gated_lora_mtp" else None
 
 
-def load_head(config: EngineConfig, model_config, dtype: torch.dtype, device) -> MtpHead | None:
-    """The checked head of an MTP engine, else None."""
+def load_head(config: EngineConfig, model, model_config, dtype: torch.dtype, device) -> MtpHead | None:
+    """The checked head of an MTP engine, else None; its draft vocabulary (if any) bound to the LM head
+    of `model`, unless `model` is a tensor-parallel share (the head then drafts over every token)."""
     if (spec := _mtp_spec(config)) is None:
         return None
-    return load_mtp_head(spec.model, model_config, spec.num_speculative_tokens, dtype, device)
+    head = load_mtp_head(spec.model, model_config, spec.num_speculative_tokens, dtype, device)
+    if config.tensor_parallel_size == 1:
+        head.bind_logits_weight(model.logits_weight())
+    elif head.draft_token_ids is not None:
+        log.info("gated_lora_mtp: drafting over the whole vocabulary (rank 0 holds a share of the LM head)")
+    return head
 
 
 def mtp_source(config: EngineConfig, model_config) -> MtpDir | None:
