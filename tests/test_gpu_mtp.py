@@ -1,9 +1,10 @@
 """Gated-LoRA MTP on a GPU: its steps through the Triton visibility attention, eagerly and as captured
 graphs, give in float32 exactly the greedy text of plain decoding (CUDA-graph decode through the decode
 kernel), with the random head (every proposal rejected) and with proposals from the plain run (most
-accepted), and leak no KV block. On two GPUs the same holds under tensor parallelism (eager MTP steps,
-every rank running the mask rows under its share of the gate), and for requests with a LoRA adapter
-through the captured MTP graphs (real rows under the adapter, mask rows under the gate)."""
+accepted), and leak no KV block; the captured drafting gives the eager drafting's tokens. On two GPUs
+the same holds under tensor parallelism (eager MTP steps, every rank running the mask rows under its
+share of the gate), and for requests with a LoRA adapter through the captured MTP graphs (real rows
+under the adapter, mask rows under the gate)."""
 
 from __future__ import annotations
 
@@ -46,10 +47,18 @@ def test_mtp_steps_give_plain_greedy_text(tiny_model_dir, tmp_path, plain, eager
             "disable_below_acceptance": 0.0}  # fmt: skip
     llm = LLM(str(tiny_model_dir), dtype="float32", device="cuda", max_num_seqs=16, num_blocks=400,
               enforce_eager=eager, speculative_config=spec)  # fmt: skip
-    step, replays = llm.engine.runner.mtp, []
+    step, replays, drafted = llm.engine.runner.mtp, [], []
     if step.graphs is not None:
-        run = step.graphs.run
+        run, draft_run = step.graphs.run, step.draft_graphs.run
         step.graphs.run = lambda *a: replays.append(1) or run(*a)
+
+        def draft_replay(n, accepted, bonus):  # the captured drafting against the eager one, same inputs
+            got = draft_run(n, accepted, bonus)
+            first = step.draft_graphs.first[:n]
+            drafted.append(torch.equal(got, step.drafts(step.graphs.hidden, first, accepted, bonus)))
+            return got
+
+        step.draft_graphs.run = draft_replay
     if drafts == "plain run":
         full = {tuple(p): p + o for p, o in zip(_prompts(), plain)}
 
@@ -62,7 +71,7 @@ def test_mtp_steps_give_plain_greedy_text(tiny_model_dir, tmp_path, plain, eager
     stats = llm.engine.get_stats()
     assert stats["spec_verify_rows"] > 0
     assert (stats["spec_accepted_tokens"] > stats["spec_draft_tokens"] // 2) == (drafts == "plain run")
-    assert bool(replays) == (not eager)
+    assert bool(replays) == (not eager) and bool(drafted) == (not eager) and all(drafted)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")

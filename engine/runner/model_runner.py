@@ -228,6 +228,7 @@ class ModelRunner:
             self.mtp.graphs = logged[self.mtp.graphs_q] = mtp_setup.capture_graphs(
                 self.model, self.mtp_head, *args[1:]
             )
+            self.mtp.capture_drafting()
         count = sum(len(g.graphs) for g in [*logged.values(), self.mixed_graphs] if g is not None)
         used = (free - torch.cuda.mem_get_info(self.device)[0]) / 2**20
         log.info("captured %d CUDA graphs (%s) in %.1f s, %.0f MiB", count,

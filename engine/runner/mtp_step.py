@@ -12,7 +12,8 @@ tokens. What this module adds around the model's forward:
   * drafting: once verification has decided, on the device, how many proposals a row keeps (a) and the
     token after them (the bonus), the masks of group a turn into the next k drafts through the sampler
     head, each conditioned on the token before it (the bonus, then the previous draft).
-Steps whose every chunk is a full MTP chunk replay MtpGraphs (by batch size); other steps with MTP
+Steps whose every chunk is a full MTP chunk replay MtpGraphs (by batch size), and their drafting
+replays DraftGraphs (the k passes of the sampler head, by the same batch sizes); other steps with MTP
 chunks run eagerly; steps without take the engine's usual graphs.
 """
 
@@ -53,6 +54,7 @@ class MtpStep:
         self.scratch, self.capacity = scratch, capacity  # first scratch slot, scratch slots
         self.upload = upload
         self.graphs: MtpGraphs | None = None  # captured on a GPU unless enforce_eager
+        self.draft_graphs: DraftGraphs | None = None  # the drafting after a replay of `graphs`
         self.graphs_q = (k + 1) ** 2  # the query length of a full MTP chunk
 
     def lora_rows(self, chunks: list, batch: StepBatch, adapter_rows: list[int] | None) -> list[int]:
@@ -95,20 +97,28 @@ class MtpStep:
 
     def drafter(self, batch: StepBatch, hidden: torch.Tensor):
         """The drafting of this step, for SpecSampler: (accepted [R], bonus [R]) on the device -> the
-        next drafts [R, k] of the R speculating chunks."""
-        model, first = self.model, self.upload.values("mtp_first", batch.mtp_first, torch.long)
+        next drafts [R, k] of the R speculating chunks; a graph replay after a graph step."""
+        if self.draft_graphs is not None and self.graphs.fits(batch):
+            n = len(batch.seq_lens)
+            return lambda accepted, bonus: self.draft_graphs.run(n, accepted, bonus)
+        first = self.upload.values("mtp_first", batch.mtp_first, torch.long)
+        return lambda accepted, bonus: self.drafts(hidden, first, accepted, bonus)
+
+    def drafts(self, hidden, first, accepted, bonus) -> torch.Tensor:
+        """The next k drafts [R, k] of chunks whose first rows are `first` [R] in `hidden`."""
         columns = torch.arange(self.k, device=hidden.device)
+        m1 = first + accepted * (self.k + 1) + 1  # the row of m_1 after the last kept real token
+        masks = hidden.index_select(0, (m1[:, None] + columns).reshape(-1)).view(len(m1), self.k, -1)
+        prev, out = bonus, []
+        for i in range(self.k):
+            prev = self.head.draft(masks[:, i], prev, self.model.embed, self.model.compute_logits)
+            out.append(prev)
+        return torch.stack(out, dim=1)
 
-        def draft(accepted: torch.Tensor, bonus: torch.Tensor) -> torch.Tensor:
-            m1 = first + accepted * (self.k + 1) + 1  # the row of m_1 after the last kept real token
-            masks = hidden.index_select(0, (m1[:, None] + columns).reshape(-1)).view(len(m1), self.k, -1)
-            prev, out = bonus, []
-            for i in range(self.k):
-                prev = self.head.draft(masks[:, i], prev, model.embed, model.compute_logits)
-                out.append(prev)
-            return torch.stack(out, dim=1)
-
-        return draft
+    def capture_drafting(self) -> None:
+        """Capture DraftGraphs for the buckets of `graphs` (after they are captured)."""
+        self.draft_graphs = DraftGraphs(self)
+        self.draft_graphs.capture()
 
 
 class MtpGraphs(DecodeGraphs):
@@ -150,3 +160,45 @@ class MtpGraphs(DecodeGraphs):
         """Every chunk of the step is an MTP chunk with k proposals, and a bucket holds them."""
         n = len(batch.seq_lens)
         return len(batch.mask_rows) == n * self.k * (self.k + 1) and self.bucket(n) is not None
+
+
+class DraftGraphs:
+    """The drafting of a step MtpGraphs replayed, captured per batch bucket: index the mask rows after
+    each sequence's kept proposals, then k passes of the sampler head (embedding, fc1, fc2, norm, LM
+    head or the draft vocabulary's rows, argmax). It reads the graphs' static hidden rows; each step's
+    kept counts and bonus tokens are copied into static buffers. Padding sequences draft from their
+    (finite) padding rows and stale counts, always within their own rows; nobody reads their drafts."""
+
+    def __init__(self, step: MtpStep):
+        graphs = step.graphs
+        self.step, self.hidden, self.buckets = step, graphs.hidden, graphs.buckets
+        top, device = max(graphs.buckets), graphs.hidden.device
+        self.first = torch.arange(top, device=device) * step.graphs_q
+        self.accepted = torch.zeros(top, dtype=torch.long, device=device)
+        self.bonus = torch.zeros(top, dtype=torch.long, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.out: dict[int, torch.Tensor] = {}
+
+    def _draft(self, b: int) -> torch.Tensor:
+        return self.step.drafts(self.hidden, self.first[:b], self.accepted[:b], self.bonus[:b])
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        pool = None
+        for b in reversed(self.buckets):  # largest first: the smaller reuse its pool memory
+            self._draft(b)  # warm-up: compiles every kernel outside capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.out[b] = self._draft(b)
+            pool = pool if pool is not None else graph.pool()
+            self.graphs[b] = graph
+        torch.cuda.synchronize()
+
+    def run(self, n: int, accepted: torch.Tensor, bonus: torch.Tensor) -> torch.Tensor:
+        """The drafts [n, k] of a graph step's n sequences (a copy: the next replay reuses the buffer)."""
+        b = next(b for b in self.buckets if b >= n)
+        self.accepted[:n].copy_(accepted)
+        self.bonus[:n].copy_(bonus)
+        self.graphs[b].replay()
+        return self.out[b][:n].clone()
