@@ -142,8 +142,15 @@ def mtp_config(args, k: int, vocab: bool = False, **kw) -> dict:
 
 
 def measure(label: str, spec: dict | None, alphas, args, batches: list[int]) -> list[dict]:
-    import torch
+    """The rows of one engine, built and run in a process of its own: an engine left behind in this
+    process (its graphs, pool and threads) would take memory and host time from the next one."""
+    import multiprocessing
 
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(_measure, (label, spec, alphas, args, batches))
+
+
+def _measure(label: str, spec: dict | None, alphas, args, batches: list[int]) -> list[dict]:
     from engine import LLM
 
     opts = {"max_num_seqs": max(batches), "max_model_len": args.prompt + args.gen + 32}
@@ -163,10 +170,6 @@ def measure(label: str, spec: dict | None, alphas, args, batches: list[int]) -> 
             row = {"config": label, "alpha": alpha_label, "batch": batch, **run(llm, batch, args)}
             print(row, flush=True)
             rows.append(row)
-    del llm
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
     return rows
 
 
