@@ -48,11 +48,13 @@ from engine.structured.state import BitmaskFiller
 log = logging.getLogger(__name__)
 
 
-def _graph_summary(graphs: dict[int, DecodeGraphs], mixed: MixedGraphs | None) -> str:
+def _graph_summary(graphs: dict[int, DecodeGraphs], mixed: MixedGraphs | None, drafting=None) -> str:
     """Which buckets were captured, for the start-up log."""
     parts = [f"query length {q}: batch {g.buckets[0]}-{g.buckets[-1]}" for q, g in graphs.items()]
     if mixed is not None:
         parts.append(f"mixed: {mixed.buckets[0]}-{mixed.buckets[-1]} tokens")
+    if drafting is not None:
+        parts.append(f"MTP drafting: batch {drafting.buckets[0]}-{drafting.buckets[-1]}")
     return "; ".join(parts)
 
 
@@ -229,10 +231,12 @@ class ModelRunner:
                 self.model, self.mtp_head, *args[1:]
             )
             self.mtp.capture_drafting()
-        count = sum(len(g.graphs) for g in [*logged.values(), self.mixed_graphs] if g is not None)
+        drafting = self.mtp.draft_graphs if self.mtp is not None else None
+        count = sum(len(g.graphs) for g in [*logged.values(), self.mixed_graphs, drafting] if g is not None)
         used = (free - torch.cuda.mem_get_info(self.device)[0]) / 2**20
-        log.info("captured %d CUDA graphs (%s) in %.1f s, %.0f MiB", count,
-                 _graph_summary(logged, self.mixed_graphs), time.perf_counter() - start, used)  # fmt: skip
+        summary = _graph_summary(logged, self.mixed_graphs, drafting)
+        log.info("captured %d CUDA graphs (%s) in %.1f s, %.0f MiB", count, summary,
+                 time.perf_counter() - start, used)  # fmt: skip
         return graphs
 
     def shutdown(self) -> None:
