@@ -2,17 +2,22 @@
 
     python -m benchmarks.kv_offload_bench             # GPU host: Llama-3.2-1B shape (about 6 minutes)
     python -m benchmarks.kv_offload_bench --model llama-3.1-8b --users 64
+    python -m benchmarks.kv_offload_bench --think-time 2   # users pause 2 s on average between turns
     python -m benchmarks.kv_offload_bench --smoke     # CPU: the tiny model, tiny pool, seconds of load
 
 Per variant (off, then on), one `serve run` of serve_config.yaml (benchmarks/serve_stack.py) whose GPU
 pool is capped at --gpu-pool-gib by num_blocks, the other with a --tier-gib host tier as well; a --warmup
 s load of other sessions, then benchmarks.serve_client's W4 for --duration s at --users users. Live KV
 (the users' current session histories at the end, as tokens x KV bytes per token) should be 3-5x the
-GPU pool and below the tier: the report gives the ratio. Engine stats (GET /v1/engine/stats) are read
-before and after the measured window; their differences give the window's GPU and host-tier hit rates,
-blocks and bytes moved each way and the tier's copy rates (bytes over the CUDA-event time of its copy
-batches, gathers and scatters included). After both servers have stopped, a plain pinned host-to-device
-copy of the same total size as the tier's copies back is timed in a subprocess (a CPU memcpy on CPU).
+GPU pool and below the tier: the report gives the ratio. Without --think-time every user sends its next
+turn as soon as the last answer ends, so every session is running at once and the pool cannot hold the
+running turns (they queue for blocks, tier or not); with it (people reading and typing between turns)
+many sessions are live but few run at once, the case the tier is for. Engine stats (GET
+/v1/engine/stats) are read before and after the measured window; their differences give the window's
+GPU and host-tier hit rates, blocks and bytes moved each way and the tier's copy rates (bytes over the
+CUDA-event time of its copy batches, gathers and scatters included). After both servers have stopped, a
+plain pinned host-to-device copy of the same total size as the tier's copies back is timed in a
+subprocess (a CPU memcpy on CPU).
 Writes OUT/kv_offload.{json,md}, and OUT/runs/<variant>/ (serve config, serve.log, client summaries).
 """
 
@@ -88,7 +93,7 @@ def run_client(args, server: Server, seed: int, duration: float, name: str) -> d
     cmd = [PY, "-m", "benchmarks.serve_client", "--host", server.url, "--out", str(out),
            "--users", str(args.users), "--spawn-rate", str(args.spawn_rate), "--duration", str(duration),
            "--workload", "W4", "--gen-scale", str(args.gen_scale), "--prompt-scale", str(args.prompt_scale),
-           "--seed", str(seed)]  # fmt: skip
+           "--seed", str(seed), "--think-time", str(args.think_time)]  # fmt: skip
     with open(server.run_dir / f"{name}.log", "w") as f:
         rc = subprocess.run(cmd, cwd=ROOT, env=server.client_env, stdout=f, stderr=subprocess.STDOUT,
                             timeout=duration + 300).returncode  # fmt: skip
@@ -151,7 +156,8 @@ def markdown(report: dict) -> str:
              f"`{report['command']}`", "",
              f"GPU pool {report['gpu_pool_gib']:.2f} GiB ({report['num_blocks']} blocks), tier "
              f"{report['tier_gib']} GiB, {report['settings']['users']} users, "
-             f"{report['settings']['duration']} s measured after a warm-up.", "",
+             f"{report['settings']['duration']} s measured after a warm-up, think time "
+             f"{report['settings'].get('think_time', 0.0)} s (mean).", "",
              "| tier | TTFT p50 ms | TTFT p50 later turns ms | out tok/s | requests | live KV / GPU pool "
              "| GPU hit rate | host hit rate (of GPU misses) | host hit prompts | blocks out / back "
              "| GB out / back | copy GB/s out / back | preemptions |",
@@ -206,6 +212,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--duration", type=float, default=60.0, help="measured seconds per variant")
     add("--warmup", type=float, default=15.0, help="seconds of load (other sessions) after each start")
     add("--spawn-rate", type=float, default=32.0, help="users started per second")
+    add("--think-time", type=float, default=0.0, help="mean pause between turns, s (exponential)")
     add("--gen-scale", type=float, default=1.0)
     add("--prompt-scale", type=float, default=1.0)
     add("--seed", type=int, default=0)

@@ -12,6 +12,8 @@ A multi-turn workload (W4) keeps one conversation per user (loadtests/_workloads
 request resends the history, the answer as stand-in ids of its length; the summary adds TTFT by turn
 (the opening turns and the later ones, which the prefix cache and the host KV tier can serve), the
 highest turn reached and `live_session_tokens` (the users' current histories at the end: live KV).
+--think-time S pauses each user for an exponential time of mean S seconds after each answer (its own
+random stream, so the requests drawn are the same with and without it).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "loadtests"))
 
-from _workloads import SHAPES, Conversation, PromptMaker, parse_mix, sample  # noqa: E402
+from _workloads import SHAPES, Conversation, PromptMaker, parse_mix, sample, think_seconds  # noqa: E402
 
 from benchmarks.serve_summary import percentiles  # noqa: E402
 
@@ -106,6 +108,7 @@ async def user_loop(i: int, args, session, facts: dict, deadline: float, results
     await asyncio.sleep(i / args.spawn_rate)
     user = UserRequests(user_rng(args.seed, i), args, facts)
     users.append(user)
+    pauses = random.Random(f"think {args.seed} {i}")
     while time.perf_counter() < deadline:
         prompt, max_tokens, turn = user.next()
         body = {"model": facts["model"], "prompt": prompt, "max_tokens": max_tokens, "stream": True,
@@ -120,6 +123,9 @@ async def user_loop(i: int, args, session, facts: dict, deadline: float, results
         if res["ok"]:
             user.answered(res["tokens"])
         results.append({**res, "turn": turn})
+        pause = think_seconds(pauses, getattr(args, "think_time", 0.0))
+        if pause:
+            await asyncio.sleep(min(pause, max(0.0, deadline - time.perf_counter())))
 
 
 async def run(args) -> dict:
@@ -182,9 +188,11 @@ def add_load_args(p: argparse.ArgumentParser, duration: float) -> None:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--host", default="http://127.0.0.1:8000")
+    p.add_argument("--think-time", type=float, default=0.0, help="mean pause after each answer, s (0: none)")
     add_load_args(p, duration=60.0)
     args = p.parse_args(argv)
-    summary = asyncio.run(run(args))
+    think_seconds(random.Random(), args.think_time)  # a negative mean fails here, naming the flag
+    summary = {**asyncio.run(run(args)), "think_time_s": args.think_time}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

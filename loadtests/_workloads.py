@@ -11,6 +11,9 @@ W4 multi-turn:    each user holds a conversation of 8-12 turns: an opening messa
                   With token-id prompts an answer is resent as stand-in ids of its length (its text
                   is not ids), so each turn recomputes the last answer, as a client whose text
                   re-tokenizes differently would; text prompts resend the answer's text.
+Think time (every shape, off by default): a user pauses between the end of one answer and its next
+request, drawn from an exponential distribution of a given mean, as people read and type between
+turns. With it a multi-turn load keeps many sessions live while few are running at once.
 Lengths are in tokens. Token-id prompts are exact; text prompts use a words-per-token ratio measured
 against the server's own tokenizer at start-up (see locustfile.calibrate_text).
 """
@@ -56,6 +59,13 @@ class Request:
     prefix: list[int] | str | None  # W3's shared system prompt
     prompt: list[int] | str  # the user part
     max_tokens: int
+
+
+def think_seconds(rng: random.Random, mean: float) -> float:
+    """One pause between a user's requests: exponential with this mean (0: none, a closed loop)."""
+    if mean < 0:
+        raise ValueError(f"--think-time: {mean} is negative; give a mean in seconds, or 0 for none")
+    return rng.expovariate(1.0 / mean) if mean > 0 else 0.0
 
 
 def parse_mix(spec: str) -> list[tuple[str, float]]:

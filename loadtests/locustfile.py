@@ -21,6 +21,8 @@ Options (flag or environment variable):
   --gen-scale      MINSERVE_GEN_SCALE      multiply generation lengths (e.g. 0.125 on a small CPU box)
   --prompt-scale   MINSERVE_PROMPT_SCALE   multiply prompt lengths
   --no-ignore-eos  MINSERVE_NO_IGNORE_EOS  let the model stop early (default: ignore_eos=true, exact lengths)
+  --think-time     MINSERVE_THINK_TIME     mean seconds a user pauses after each answer (exponential;
+                                           default 0: each user sends its next request at once)
 
 W4 (multi-turn) keeps one conversation per user (_workloads.Conversation): each request resends the
 history plus a new message; the answer joins the history as its text (text prompts) or as stand-in
@@ -37,8 +39,8 @@ import random
 import time
 
 import requests
-from _workloads import SHAPES, WORDS, Conversation, PromptMaker, Request, parse_mix, sample
-from locust import HttpUser, constant, events, task
+from _workloads import SHAPES, WORDS, Conversation, PromptMaker, Request, parse_mix, sample, think_seconds
+from locust import HttpUser, events, task
 from locust.stats import RequestStats
 
 TIMING_TYPES = frozenset({"TTFT", "ITL", "E2E"})  # custom request types: timings, not requests
@@ -90,6 +92,7 @@ def _add_arguments(parser) -> None:
     group.add_argument("--gen-scale", type=float, default=1.0, env_var="MINSERVE_GEN_SCALE")
     group.add_argument("--prompt-scale", type=float, default=1.0, env_var="MINSERVE_PROMPT_SCALE")
     group.add_argument("--no-ignore-eos", action="store_true", env_var="MINSERVE_NO_IGNORE_EOS")
+    group.add_argument("--think-time", type=float, default=0.0, env_var="MINSERVE_THINK_TIME")
 
 
 _FACTS: dict = {}  # per process: model, max_model_len, vocab_size, tokens_per_word
@@ -117,17 +120,20 @@ def _discover(environment, **_kwargs) -> None:
 
 
 class OpenAIStreamUser(HttpUser):
-    wait_time = constant(0)  # closed loop: each user sends its next request when the last one ends
+    def wait_time(self) -> float:
+        """0 by default (a closed loop: the next request when the last one ends), else a think time."""
+        return think_seconds(self.pauses, self.opts.think_time)
 
     def on_start(self) -> None:
         opts = self.environment.parsed_options
         facts = _FACTS
         self.opts, self.facts = opts, facts
-        self.rng = random.Random()
+        self.rng, self.pauses = random.Random(), random.Random()
         self.mix = parse_mix(opts.workload)
         self.maker = PromptMaker(facts["vocab_size"], facts["tokens_per_word"], opts.prompt_format == "text")
         # multi-turn shapes (W4): one conversation each, carried from request to request
         self.talks = {n: Conversation(SHAPES[n], self.maker) for n, _ in self.mix if SHAPES[n].multi_turn}
+        think_seconds(self.pauses, opts.think_time)  # a negative mean fails here, naming the flag
         if opts.endpoint == "chat" and opts.prompt_format == "ids":
             raise ValueError("--endpoint chat needs --prompt-format text (chat messages are text)")
 

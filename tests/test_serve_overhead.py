@@ -170,3 +170,58 @@ def test_offline_twin_on_tiny_model(tiny_model_dir) -> None:
     assert out["ttft_ms"]["count"] == out["requests"] and out["ttft_ms"]["p99"] is not None
     assert out["itl_ms"]["count"] > 0 and out["itl_ms"]["p50"] > 0 and out["e2e_ms"]["p50"] > 0
     assert out["engine_options"] == engine_options("cpu") and out["cpu"]["offline twin"] > 0
+
+
+def test_serve_client_think_time_paces_each_user(tmp_path) -> None:
+    """benchmarks.serve_client against a stand-in server that answers at once: without a think time
+    each user sends request after request; with a mean of 0.2 s a user sends about one request per
+    0.2 s (its pauses are exponential draws from a seeded stream), and the prompts drawn are the same."""
+    import asyncio
+    import json as _json
+
+    from aiohttp import web
+
+    from benchmarks import serve_client
+
+    prompts: list = []
+
+    async def models(_request):
+        return web.json_response({"data": [{"id": "m", "max_model_len": 4096, "vocab_size": 1000}]})
+
+    async def completions(request):
+        prompts.append((await request.json())["prompt"])
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        chunk = {"choices": [{"text": "x"}], "usage": {"completion_tokens": 1}}
+        await resp.write(f"data: {_json.dumps(chunk)}\n\ndata: [DONE]\n\n".encode())
+        return resp
+
+    async def load(think: float) -> dict:
+        app = web.Application()
+        app.router.add_get("/v1/models", models)
+        app.router.add_post("/v1/completions", completions)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        argv = ["--host", f"http://127.0.0.1:{port}", "--users", "2", "--spawn-rate", "100", "--duration",
+                "2", "--workload", "W4", "--think-time", str(think), "--out", str(tmp_path)]  # fmt: skip
+        p = argparse.ArgumentParser()
+        p.add_argument("--host")
+        p.add_argument("--think-time", type=float)
+        serve_client.add_load_args(p, duration=2.0)
+        try:
+            return await serve_client.run(p.parse_args(argv))
+        finally:
+            await runner.cleanup()
+
+    busy = asyncio.run(load(0.0))
+    first = list(prompts)
+    prompts.clear()
+    paced = asyncio.run(load(0.2))
+    assert busy["requests"] > 100  # a closed loop against an instant server
+    assert 8 <= paced["requests"] <= 40, paced["requests"]  # 2 users x 2 s / 0.2 s = 20 expected
+    assert prompts and all(p in first for p in prompts)  # each user's requests: the same stream
+    with pytest.raises(ValueError, match="--think-time"):
+        serve_client.think_seconds(serve_client.random.Random(0), -1.0)
