@@ -429,3 +429,36 @@ def test_adapters_keep_their_own_kv_through_the_host_tier(tiny_model_dir, tmp_pa
     assert engine.get_stats()["kv_reload_blocks"] > 0
     assert len({tuple(plain[f"t0s{s}"]) for s in range(len(loras))}) == len(loras)  # the adapters matter
     assert_idle(engine)
+
+
+def test_one_strided_gather_and_scatter_move_what_a_loop_over_the_caches_moves():
+    """KVOffload's copies through the stacked view of one allocation (allocate_kv_cache) against the
+    same copies looping over each cache of separately allocated caches (the fallback): the host slots
+    written, then the blocks copied back, are equal byte for byte."""
+    import torch
+
+    from engine.runner.kv_cache import KVCacheSpec, allocate_kv_cache
+    from engine.runner.kv_offload import KVOffload, stacked_view
+
+    spec = KVCacheSpec(12, 4, 3, 2, 8, torch.bfloat16)
+    gib = 8 * spec.bytes_per_block / 2**30
+    pooled = allocate_kv_cache(spec, torch.device("cpu"))
+    torch.manual_seed(0)
+    for k, v in pooled:
+        k.copy_(torch.randn_like(k, dtype=torch.float32))
+        v.copy_(torch.randn_like(v, dtype=torch.float32))
+    apart = [(k.clone(), v.clone()) for k, v in pooled]  # separate allocations: no stacked view
+    fast, slow = KVOffload(pooled, spec, gib), KVOffload(apart, spec, gib)
+    assert fast.stacked is not None and slow.stacked is None
+    assert stacked_view([c for pair in apart for c in pair]) is None
+    out = [(b, s) for b, s in zip([7, 2, 9, 3, 11], [0, 1, 2, 5, 6])]  # slots in runs and apart
+    fast.copy_out(out)
+    slow.copy_out(out)
+    written = [s for _, s in out]  # the other slots hold whatever the allocation held
+    assert torch.equal(fast.host[written], slow.host[written])
+    back = [(s, b) for s, b in zip([0, 1, 2, 5, 6], [1, 4, 0, 10, 5])]
+    fast.copy_in(back)
+    slow.copy_in(back)
+    for (k1, v1), (k2, v2) in zip(pooled, apart):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    assert torch.equal(pooled[1][1][4], apart[1][1][4]) and torch.equal(pooled[2][0][4], pooled[2][0][2])

@@ -72,11 +72,9 @@ def plan_kv_cache(
 
 
 def allocate_kv_cache(spec: KVCacheSpec, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's K and V caches, [num_blocks, block_size, kv_heads, head_dim] each: contiguous views
+    of one allocation, K then V layer by layer, so that one strided view reaches a block in every cache
+    at once (the host tier moves a block with one gather or scatter: KVOffload)."""
     shape = (spec.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-    return [
-        (
-            torch.zeros(shape, dtype=spec.dtype, device=device),
-            torch.zeros(shape, dtype=spec.dtype, device=device),
-        )
-        for _ in range(spec.num_layers)
-    ]
+    pool = torch.zeros((spec.num_layers, 2, *shape), dtype=spec.dtype, device=device)
+    return [(pool[layer, 0], pool[layer, 1]) for layer in range(spec.num_layers)]

@@ -6,10 +6,13 @@ the copies and reports when each batch is complete (`poll`).
 
 Layout: host slot s holds one block of all 2L caches (K and V of every layer), [slots, 2L, piece]
 bytes, so a batch moves as one gather on the device (every cache's rows stacked into a staging
-buffer) and one copy per run of consecutive slots. Pinned on a GPU host; plain memory on CPU, where
-the same code runs synchronously.
+buffer) and one copy per run of consecutive slots. When the caches are evenly spaced views of one
+allocation (allocate_kv_cache), one strided view [blocks, 2L, piece] reaches a block in all of them,
+and a batch's gather or scatter is one kernel, not one per cache. Pinned on a GPU host; plain memory
+on CPU, where the same code runs synchronously.
 
-Ordering on a GPU (two side streams, one per direction; the steps run on the current stream):
+Ordering on a GPU (two side streams of high priority, one per direction, so that their small gather
+and scatter kernels are not queued behind a step's; the steps run on the current stream):
   * copies out read blocks the step is about to reuse: they start at once (a block in the prefix cache
     is full and never written), and the step's compute waits for them (its writes come after);
   * copies in write freshly allocated blocks, which a step still on the device may have used before
@@ -73,6 +76,23 @@ def slot_runs(slots: list[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
+def stacked_view(caches: list[torch.Tensor]) -> torch.Tensor | None:
+    """[blocks, len(caches), piece] over the caches (each [blocks, piece] bytes) when they are evenly
+    spaced in one storage, else None (the copies then loop over the caches)."""
+    first = caches[0]
+    step = caches[1].data_ptr() - first.data_ptr() if len(caches) > 1 else 0
+    same = all(
+        c.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+        and c.data_ptr() == first.data_ptr() + j * step
+        and c.stride() == first.stride()
+        for j, c in enumerate(caches)
+    )
+    if not same or step <= 0 or step % first.element_size():
+        return None
+    blocks, piece = first.shape
+    return first.as_strided((blocks, len(caches), piece), (first.stride(0), step, 1))
+
+
 class KVOffload:
     def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], spec: KVCacheSpec, gib: float):
         first = kv_caches[0][0]
@@ -81,6 +101,7 @@ class KVOffload:
         self.caches = [c.view(torch.uint8).view(c.shape[0], -1) for pair in kv_caches for c in pair]
         self.piece = self.caches[0].shape[1]
         self.block_bytes = self.piece * len(self.caches)
+        self.stacked = stacked_view(self.caches)
         self.num_slots = int(gib * 2**30) // self.block_bytes
         if self.num_slots < 1:
             raise ValueError(
@@ -90,8 +111,8 @@ class KVOffload:
         cuda = self.device.type == "cuda"
         shape = (self.num_slots, len(self.caches), self.piece)
         self.host = self._host_pool(shape, cuda, gib)
-        self.out_stream = torch.cuda.Stream(self.device) if cuda else None
-        self.in_stream = torch.cuda.Stream(self.device) if cuda else None
+        self.out_stream = torch.cuda.Stream(self.device, priority=-1) if cuda else None
+        self.in_stream = torch.cuda.Stream(self.device, priority=-1) if cuda else None
         self.max_staged = max(1, STAGING_BYTES // self.block_bytes)
         self.in_flight: list[_InFlight] = []
         self.out, self.back = Direction(), Direction()  # device to host, host to device
@@ -126,7 +147,10 @@ class KVOffload:
         for i in range(0, len(pairs), self.max_staged):
             part = pairs[i : i + self.max_staged]
             rows = self._index([b for b, _ in part])
-            staged = torch.stack([c.index_select(0, rows) for c in self.caches], dim=1)
+            if self.stacked is not None:
+                staged = self.stacked[rows]
+            else:
+                staged = torch.stack([c.index_select(0, rows) for c in self.caches], dim=1)
             for first, slot, n in slot_runs([s for _, s in part]):
                 self.host[slot : slot + n].copy_(staged[first : first + n], non_blocking=True)
 
@@ -141,6 +165,9 @@ class KVOffload:
             for first, slot, n in slot_runs([s for s, _ in part]):
                 staged[first : first + n].copy_(self.host[slot : slot + n], non_blocking=True)
             rows = self._index([b for _, b in part])
+            if self.stacked is not None:
+                self.stacked.index_copy_(0, rows, staged)
+                continue
             for j, cache in enumerate(self.caches):
                 cache.index_copy_(0, rows, staged[:, j])
 
