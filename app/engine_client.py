@@ -160,12 +160,16 @@ class EngineClient:
         arrival_time: float | None = None,
         echo: bool = False,
         lora: LoRARequest | None = None,
+        prompt_ids: bool = False,
     ) -> list[EngineStream] | ApiError:
         """Start one engine request per prompt; return the streams once all accepted, else the first error.
         arrival_time: the ingress's time.time() at the request's arrival (the latency metrics' origin).
-        lora: the adapter the request names; its calls carry its name as Serve's multiplexed model id."""
+        lora: the adapter the request names; its calls carry its name as Serve's multiplexed model id.
+        prompt_ids: each accepted item carries its prompt's token ids (return_token_ids)."""
         generate = self._handle_for(lora).generate
         extra = {"lora_request": lora} if lora is not None else {}
+        if prompt_ids:
+            extra["prompt_ids"] = True
         streams, calls = [], []
         for i, p in enumerate(prompts):
             rid = f"{request_id}-{i}"

@@ -111,16 +111,20 @@ class EngineDeployment:
         echo: bool = False,
         prefix_hashes: list[int] | None = None,
         lora_request: LoRARequest | None = None,
+        prompt_ids: bool = False,
     ) -> AsyncIterator[dict | ApiError]:
         """arrival_time: when the ingress received the request (time.time()), the origin of the TTFT,
         queue and e2e histograms. echo: the accepted item carries the prompt's tokens (app/prompts.py).
         prefix_hashes: the routing key, read by app/router.py only. lora_request: the adapter named in
-        the request's `model` (the call's multiplexed model id is its name)."""
+        the request's `model` (the call's multiplexed model id is its name). prompt_ids: the accepted
+        item carries the prompt's token ids (return_token_ids)."""
         received = time.time()
         if self._early_aborts.take(request_id):
             return  # the ingress gave up on it before it came: nobody reads this stream
         failed = await self.load_lora(lora_request) if lora_request is not None else None
-        submitted = failed or self._submit(prompt, params, request_id, arrival_time, echo, lora_request)
+        submitted = failed or self._submit(
+            prompt, params, request_id, arrival_time, echo, lora_request, prompt_ids
+        )
         if isinstance(submitted, ApiError):
             yield submitted
             return
@@ -191,6 +195,7 @@ class EngineDeployment:
         arrival_time: float | None,
         echo: bool,
         lora: LoRARequest | None = None,
+        prompt_ids: bool = False,
     ) -> tuple[str, dict] | ApiError:
         """Admission check, then hand the request to the engine core."""
         if len(self._streams) >= self._limit:
@@ -202,7 +207,7 @@ class EngineDeployment:
         self._loop = self._loop or asyncio.get_running_loop()
         chat = isinstance(prompt, ChatPrompt)
         try:
-            prompt, facts = prompts.prepare(self.engine.tokenizer, prompt, echo)
+            prompt, facts = prompts.prepare(self.engine.tokenizer, prompt, echo, prompt_ids)
             try:
                 rid = self.engine.submit(
                     prompt, params, request_id=request_id, arrival_time=arrival_time, lora_request=lora

@@ -162,6 +162,7 @@ class Ingress:
             logprobs=body.logprobs is not None,
             prompt_logprobs=body.prompt_logprobs is not None,
             continuous_usage=body.continuous_usage,
+            token_ids=body.return_token_ids,
         )
         return await self._respond(request, prompts, params, out, body, arrival, body.echo, lora)
 
@@ -205,6 +206,7 @@ class Ingress:
             continuous_usage=body.continuous_usage,
             reasoning=reasoning,
             tools=tools,
+            token_ids=body.return_token_ids,
         )
         return await self._respond(request, [prompt], params, out, body, arrival, False, lora)
 
@@ -262,7 +264,8 @@ class Ingress:
         echo: bool,
         lora: LoRARequest | None = None,
     ) -> Response:
-        streams = await self._client.open(prompts, params, out.id, arrival, echo, lora)
+        ids = getattr(out, "token_ids", False)  # ResponsesOutput: never
+        streams = await self._client.open(prompts, params, out.id, arrival, echo, lora, prompt_ids=ids)
         if isinstance(streams, ApiError):
             return reject(request, streams)
         for s in streams:

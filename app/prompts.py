@@ -59,8 +59,9 @@ def _check_ids(ids: list[int], vocab_size: int, field: str) -> None:
         )
 
 
-def prepare(tokenizer, prompt, echo: bool) -> tuple[object, dict]:
-    """(prompt for CoreClient.submit, facts for the ingress). Raises InvalidRequestError."""
+def prepare(tokenizer, prompt, echo: bool, prompt_ids: bool = False) -> tuple[object, dict]:
+    """(prompt for CoreClient.submit, facts for the ingress). Raises InvalidRequestError.
+    prompt_ids: the facts carry the prompt's token ids (return_token_ids)."""
     facts: dict = {}
     if isinstance(prompt, ChatPrompt):
         ids, facts["starts_in_think"] = prompt.encode(tokenizer)
@@ -78,6 +79,9 @@ def prepare(tokenizer, prompt, echo: bool) -> tuple[object, dict]:
         facts["prompt_token_offsets"] = token_offsets(texts, text, special)
         facts["prompt_tokens"] = len(ids)
         prompt = ids
+    if prompt_ids:
+        prompt = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        facts["prompt_token_ids"] = prompt
     return prompt, facts
 
 

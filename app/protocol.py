@@ -7,8 +7,8 @@ checked once, by SamplingParams; its InvalidRequestError carries the field name,
 reports as the error's `param`. Response bodies are in app/responses.py.
 Extensions beyond OpenAI: top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids,
 include_stop_str_in_output, tools_calculator (nanochat calculator), budget_forcing, and vLLM's
-prompt_logprobs, stream_options.continuous_usage_stats, chat_template_kwargs, add_generation_prompt,
-continue_final_message, include_reasoning and structured_outputs.
+prompt_logprobs, return_token_ids, stream_options.continuous_usage_stats, chat_template_kwargs,
+add_generation_prompt, continue_final_message, include_reasoning and structured_outputs.
 Structured output (response_format, structured_outputs) and tools (tools, tool_choice,
 parallel_tool_calls) are typed loosely here and checked by app/structured.py, so that every problem
 with them is a 400 naming the exact field (docs/api.md, Structured output and tools).
@@ -74,6 +74,7 @@ class _SamplingRequest(_Strict):
     budget_forcing: BudgetForcingArgs | None = None
     logit_bias: dict[str, float] | None = None  # OpenAI's shape: token id (as a string) -> bias
     prompt_logprobs: int | None = None  # vLLM: each prompt token's logprob plus the top k
+    return_token_ids: bool = False  # vLLM: the prompt's token ids and each choice's, beside the text
     # constraints, checked by app/structured.py: OpenAI's response_format, vLLM's structured_outputs
     response_format: Any = None
     structured_outputs: Any = None

@@ -42,6 +42,8 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None  # vLLM's return_token_ids (the first chunk, streaming)
+    token_ids: list[int] | None = None  # return_token_ids: this choice's (a chunk's: its new ones)
 
 
 class CompletionResponse(BaseModel):
@@ -99,6 +101,7 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    token_ids: list[int] | None = None  # vLLM's return_token_ids
 
 
 class ChatCompletionResponse(BaseModel):
@@ -108,6 +111,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_token_ids: list[int] | None = None  # vLLM's return_token_ids
 
 
 class ChatDelta(BaseModel):
@@ -123,6 +127,7 @@ class ChatChunkChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    token_ids: list[int] | None = None  # vLLM's return_token_ids: the chunk's new ones
 
 
 class ChatCompletionChunk(BaseModel):
@@ -132,6 +137,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids: on the stream's first chunk
 
 
 class ModelCard(BaseModel):

@@ -64,7 +64,8 @@ class ResponseAssembler:
 
     echo / logprobs / prompt_logprobs: what the request asked for; reasoning: "split", "drop" or "off"
     (app/protocol.ChatCompletionRequest.reasoning); tools: what tool calls to look for in chat answers
-    (app/tool_calls.py); `set_prompt` gives each prompt's accepted facts."""
+    (app/tool_calls.py); token_ids: vLLM's return_token_ids (the prompt's ids once, each choice's ids
+    beside its text); `set_prompt` gives each prompt's accepted facts."""
 
     def __init__(
         self,
@@ -80,12 +81,16 @@ class ResponseAssembler:
         continuous_usage: bool = False,
         reasoning: str = "off",
         tools: ToolParsing | None = None,
+        token_ids: bool = False,
     ):
         self.chat, self.id, self.model, self.n = chat, request_id, model, n
         self.echo, self.logprobs, self.prompt_logprobs = echo, logprobs, prompt_logprobs
         self.continuous_usage, self.reasoning, self.tools = continuous_usage, reasoning, tools
         self.created = int(time.time())
+        self.token_ids = token_ids
         size = n * num_prompts
+        self._ids: list[list[int]] = [[] for _ in range(size)]  # non-streaming: each choice's token ids
+        self._ids_started: set[int] = set()  # streaming completions: choices whose prompt ids went out
         self._usage: dict[int, tuple[int, int, int]] = {}  # prompt index -> (prompt, completion, cached)
         self._offsets = [0] * size  # completions logprobs text_offset, running per choice
         self._text: list[list[str]] = [[] for _ in range(size)]
@@ -155,7 +160,7 @@ class ResponseAssembler:
         if self.continuous_usage:
             p = self._facts[0].get("prompt_tokens", 0)
             usage = UsageInfo(prompt_tokens=p, completion_tokens=0, total_tokens=p)
-        return self._chat_chunk(choices, usage)
+        return self._chat_chunk(choices, usage, self._prompt_ids(0))
 
     def chunk(self, prompt_index: int, item: dict) -> str | None:
         """The SSE event(s) for one item, or None when it carries nothing visible."""
@@ -165,10 +170,11 @@ class ResponseAssembler:
         if not self._prompt_sent[prompt_index]:
             self._prompt_sent[prompt_index] = True
             events = self._prompt_chunk(prompt_index, usage)
-        samples = [s for s in item["outputs"] if s["text"] or s["finish_reason"] or s["logprobs"]]
+        samples = [s for s in item["outputs"] if s["text"] or s["finish_reason"] or s["logprobs"]
+                   or (self.token_ids and s["token_ids"])]  # fmt: skip
         if self.chat:
             indexed = [(prompt_index * self.n + s["index"], s) for s in samples]
-            choices = [c for i, s in indexed if (c := self._choice[i].chunk_choice(i, s)) is not None]
+            choices = [c for i, s in indexed if (c := self._chat_choice(i, s)) is not None]
             return (events + self._chat_chunk(choices, usage)) if choices else (events or None)
         choices = []
         for s in samples:
@@ -176,12 +182,35 @@ class ResponseAssembler:
             lp = None
             if s["logprobs"]:
                 lp, self._offsets[index] = shapes.completion_logprobs(s["logprobs"], self._offsets[index])
-            choices.append(
-                CompletionChoice(index=index, text=s["text"], logprobs=lp, finish_reason=s["finish_reason"])
-            )
+            choice = CompletionChoice(index=index, text=s["text"], logprobs=lp)
+            choice.finish_reason = s["finish_reason"]
+            if self.token_ids:
+                choice.token_ids = s["token_ids"]
+                choice.prompt_token_ids = self._prompt_ids_once(index)
+            choices.append(choice)
         if not choices:
             return events or None
         return events + self._completion_chunk(choices, usage)
+
+    def _chat_choice(self, index: int, sample: dict) -> ChatChunkChoice | None:
+        """The chunk's choice for one sample; with return_token_ids also when the text is held back (a
+        tool call or stop string in progress), so that every token id reaches the client in order."""
+        choice = self._choice[index].chunk_choice(index, sample)
+        if not (self.token_ids and sample["token_ids"]):
+            return choice
+        choice = choice or ChatChunkChoice(index=index, delta=ChatDelta())
+        choice.token_ids = sample["token_ids"]
+        return choice
+
+    def _prompt_ids(self, prompt_index: int) -> list[int] | None:
+        return self._facts[prompt_index].get("prompt_token_ids") if self.token_ids else None
+
+    def _prompt_ids_once(self, index: int) -> list[int] | None:
+        """A completions choice's prompt ids on its first chunk only (streaming)."""
+        if index in self._ids_started:
+            return None
+        self._ids_started.add(index)
+        return self._prompt_ids(index // self.n)
 
     def _prompt_chunk(self, prompt_index: int, usage: UsageInfo | None) -> str:
         text, legacy, vllm = self._prompt_parts(prompt_index)
@@ -198,17 +227,22 @@ class ResponseAssembler:
     def _completion_chunk(self, choices: list[CompletionChoice], usage: UsageInfo | None) -> str:
         body = CompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices)
         payload = body.model_dump(exclude={"usage"})
-        _drop_prompt_logprobs(payload, self.prompt_logprobs)
+        _drop_unasked(payload, self.prompt_logprobs, self.token_ids)
         if usage is not None:
             payload["usage"] = usage.model_dump()
         return sse(payload)
 
-    def _chat_chunk(self, choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> str:
-        body = ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices)
+    def _chat_chunk(
+        self, choices: list[ChatChunkChoice], usage: UsageInfo | None = None, prompt_ids: list | None = None
+    ) -> str:
+        body = ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices,
+                                   prompt_token_ids=prompt_ids)  # fmt: skip
         payload = body.model_dump(exclude={"usage"})
         for c in payload["choices"]:  # a delta carries only the keys it sets
             c["delta"] = {k: v for k, v in c["delta"].items() if v is not None}
-        _drop_prompt_logprobs(payload, self.prompt_logprobs)
+        _drop_unasked(payload, self.prompt_logprobs, self.token_ids)
+        if prompt_ids is None:
+            payload.pop("prompt_token_ids", None)
         if usage is not None:
             payload["usage"] = usage.model_dump()
         return sse(payload)
@@ -217,7 +251,7 @@ class ResponseAssembler:
         """stream_options.include_usage: one last chunk with no choices and the totals."""
         cls = ChatCompletionChunk if self.chat else CompletionResponse
         body = cls(id=self.id, created=self.created, model=self.model, choices=[], usage=self.usage())
-        return sse(body.model_dump())
+        return sse(body.model_dump(exclude={"prompt_token_ids"}))
 
     # ------------------------------------------------------------ non-streaming
 
@@ -232,6 +266,7 @@ class ResponseAssembler:
                 self._text[index].append(s["text"])
             if s["logprobs"]:
                 self._logprobs[index].extend(s["logprobs"])
+            self._ids[index].extend(s["token_ids"])
             if finish:
                 self._finish[index] = finish
 
@@ -244,12 +279,13 @@ class ResponseAssembler:
                     logprobs=shapes.chat_logprobs(self._logprobs[i]) if self.logprobs else None,
                     finish_reason=self._finish[i],
                     prompt_logprobs=self._prompt_parts(i // self.n)[2],
+                    token_ids=self._ids[i],
                 )
                 for i in range(len(self._choice))
             ]
-            body = ChatCompletionResponse(
-                id=self.id, created=self.created, model=self.model, choices=choices, usage=self.usage()
-            )
+            body = ChatCompletionResponse(id=self.id, created=self.created, model=self.model,
+                                          choices=choices, usage=self.usage(),
+                                          prompt_token_ids=self._prompt_ids(0))  # fmt: skip
         else:
             choices = []
             for i in range(len(self._text)):
@@ -261,22 +297,32 @@ class ResponseAssembler:
                 text = echo + "".join(self._text[i])
                 choices.append(
                     CompletionChoice(
-                        index=i, text=text, logprobs=lp, finish_reason=self._finish[i], prompt_logprobs=vllm
+                        index=i,
+                        text=text,
+                        logprobs=lp,
+                        finish_reason=self._finish[i],
+                        prompt_logprobs=vllm,
+                        prompt_token_ids=self._prompt_ids(i // self.n),
+                        token_ids=self._ids[i],
                     )
                 )
             body = CompletionResponse(
                 id=self.id, created=self.created, model=self.model, choices=choices, usage=self.usage()
             )
         payload = body.model_dump()
-        _drop_prompt_logprobs(payload, self.prompt_logprobs)
+        _drop_unasked(payload, self.prompt_logprobs, self.token_ids)
         for c in payload["choices"] if self.chat else ():
             if c["message"]["tool_calls"] is None:  # the key only where there are calls
                 del c["message"]["tool_calls"]
         return payload
 
 
-def _drop_prompt_logprobs(payload: dict, asked: bool) -> None:
-    """vLLM's prompt_logprobs key appears only in answers to requests that asked for it."""
-    if not asked:
-        for c in payload["choices"]:
-            c.pop("prompt_logprobs", None)
+def _drop_unasked(payload: dict, prompt_logprobs: bool, token_ids: bool) -> None:
+    """vLLM's prompt_logprobs and return_token_ids keys appear only in answers to requests that asked."""
+    drop = [] if prompt_logprobs else ["prompt_logprobs"]
+    drop += [] if token_ids else ["prompt_token_ids", "token_ids"]
+    if not token_ids:
+        payload.pop("prompt_token_ids", None)
+    for c in payload["choices"]:
+        for key in drop:
+            c.pop(key, None)

@@ -9,7 +9,8 @@ when the last one ends. Users start at --spawn-rate per second; at --duration ev
 request still in flight is dropped (as Locust's -t does). Writes DIR/summary.json: TTFT (sent -> first
 chunk with text), ITL (gap between consecutive chunks with text), E2E (sent -> [DONE]), in ms.
 A multi-turn workload (W4) keeps one conversation per user (loadtests/_workloads.Conversation): each
-request resends the history, the answer as stand-in ids of its length; the summary adds TTFT by turn
+request resends the history, the answer as the ids the server returned (vLLM's return_token_ids; stand-in
+ids of its length from a server that returns none); the summary adds TTFT by turn
 (the opening turns and the later ones, which the prefix cache and the host KV tier can serve), the
 highest turn reached and `live_session_tokens` (the users' current histories at the end: live KV).
 --think-time S pauses each user for an exponential time of mean S seconds after each answer (its own
@@ -42,6 +43,7 @@ async def stream_once(session, url: str, body: dict) -> dict:
     """One streamed completion; the chunk arrival times of every chunk that carries text."""
     start = time.perf_counter()
     times: list[float] = []
+    ids: list[int] = []  # return_token_ids: the answer's token ids, in order
     usage = None
     async with session.post(url, json=body) as resp:
         if resp.status != 200:
@@ -53,11 +55,13 @@ async def stream_once(session, url: str, body: dict) -> dict:
             if line == b"data: [DONE]":
                 end = time.perf_counter()
                 tokens = (usage or {}).get("completion_tokens", len(times))
-                return {"ok": True, "start": start, "times": times, "end": end, "tokens": tokens}
+                return {"ok": True, "start": start, "times": times, "end": end, "tokens": tokens, "ids": ids}
             chunk = json.loads(line.removeprefix(b"data: "))
             if "error" in chunk:
                 return {"ok": False, "error": f"error event: {chunk['error']}"}
             usage = chunk.get("usage") or usage
+            for c in chunk.get("choices", []):
+                ids += c.get("token_ids") or []
             if any(_text(c) for c in chunk.get("choices", [])):
                 times.append(time.perf_counter())
     return {"ok": False, "error": "stream ended without data: [DONE]"}
@@ -99,9 +103,10 @@ class UserRequests:
         req = talk.next(self.rng, a.prompt_scale, a.gen_scale, self.facts["max_model_len"])
         return req.prompt, req.max_tokens, talk.turn
 
-    def answered(self, tokens: int) -> None:
+    def answered(self, tokens: int, ids: list[int] | None = None) -> None:
+        """The last answer joins its conversation: its token ids, or stand-ins of its length."""
         if self.last is not None:
-            self.last.answered(self.maker.make(self.rng, tokens))
+            self.last.answered(ids if ids else self.maker.make(self.rng, tokens))
 
 
 async def user_loop(i: int, args, session, facts: dict, deadline: float, results: list, users: list) -> None:
@@ -113,6 +118,8 @@ async def user_loop(i: int, args, session, facts: dict, deadline: float, results
         prompt, max_tokens, turn = user.next()
         body = {"model": facts["model"], "prompt": prompt, "max_tokens": max_tokens, "stream": True,
                 "stream_options": {"include_usage": True}, "ignore_eos": True}  # fmt: skip
+        if turn:  # a conversation resends the answer's own ids
+            body["return_token_ids"] = True
         try:
             res = await asyncio.wait_for(stream_once(session, args.host + "/v1/completions", body),
                                          timeout=max(0.01, deadline - time.perf_counter()))  # fmt: skip
@@ -121,7 +128,7 @@ async def user_loop(i: int, args, session, facts: dict, deadline: float, results
         except Exception as exc:  # a refused connection, a reset stream
             res = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
         if res["ok"]:
-            user.answered(res["tokens"])
+            user.answered(res["tokens"], res["ids"])
         results.append({**res, "turn": turn})
         pause = think_seconds(pauses, getattr(args, "think_time", 0.0))
         if pause:

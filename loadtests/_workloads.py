@@ -8,9 +8,10 @@ W4 multi-turn:    each user holds a conversation of 8-12 turns: an opening messa
                   then each turn resends the whole history (every message and answer so far) plus a new
                   user message of 64-128 tokens; answers of 64-128 tokens. A session's KV outgrows the
                   GPU pool once enough users talk at once: exercises the host KV tier (issue 50).
-                  With token-id prompts an answer is resent as stand-in ids of its length (its text
-                  is not ids), so each turn recomputes the last answer, as a client whose text
-                  re-tokenizes differently would; text prompts resend the answer's text.
+                  With token-id prompts an answer is resent as the ids the server returned (vLLM's
+                  return_token_ids), so its KV is reused as a chat client's re-tokenized text mostly
+                  is; from a server that returns none, as stand-in ids of its length. Text prompts
+                  resend the answer's text.
 Think time (every shape, off by default): a user pauses between the end of one answer and its next
 request, drawn from an exponential distribution of a given mean, as people read and type between
 turns. With it a multi-turn load keeps many sessions live while few are running at once.

@@ -25,8 +25,9 @@ Options (flag or environment variable):
                                            default 0: each user sends its next request at once)
 
 W4 (multi-turn) keeps one conversation per user (_workloads.Conversation): each request resends the
-history plus a new message; the answer joins the history as its text (text prompts) or as stand-in
-ids of its length (ids). Its rows are named by turn group ("W4 /v1/completions turn 1" and "turn 2+").
+history plus a new message; the answer joins the history as its text (text prompts) or as its token
+ids (ids: vLLM's return_token_ids; stand-in ids of its length from a server that returns none). Its
+rows are named by turn group ("W4 /v1/completions turn 1" and "turn 2+").
 
 HttpUser (requests) with stream=True is used on purpose: FastHttpUser buffers the SSE body, which
 would turn every token time into the end-of-stream time.
@@ -148,11 +149,13 @@ class OpenAIStreamUser(HttpUser):
         else:
             req = sample(self.rng, shape, self.maker, *scales)
         path, body = self._request_body(req)
+        if talk is not None and not self.maker.as_text:
+            body["return_token_ids"] = True  # the next turn resends the answer's own ids
         turn = "" if talk is None else (" turn 1" if talk.turn == 1 else " turn 2+")
         answer = self._stream(path, body, f"{req.workload} {path}{turn}")
         if talk is not None and answer is not None:
-            text, tokens = answer
-            talk.answered(text if self.maker.as_text else self.maker.make(self.rng, tokens))
+            text, tokens, ids = answer
+            talk.answered(text if self.maker.as_text else (ids or self.maker.make(self.rng, tokens)))
 
     def _request_body(self, req: Request) -> tuple[str, dict]:
         common = {
@@ -179,12 +182,14 @@ class OpenAIStreamUser(HttpUser):
             prompt = req.prefix + req.prompt
         return "/v1/completions", {**common, "prompt": prompt}
 
-    def _stream(self, path: str, body: dict, name: str) -> tuple[str, int] | None:
-        """Stream one request and report its timings; (answer text, completion tokens), None if failed."""
+    def _stream(self, path: str, body: dict, name: str) -> tuple[str, int, list[int]] | None:
+        """Stream one request and report its timings; (answer text, completion tokens, its token ids if
+        the server returned them), None if failed."""
         start = time.perf_counter()
         times: list[float] = []  # arrival of each chunk that carries text
         usage = None
         text: list[str] = []
+        ids: list[int] = []
         with self.client.post(path, json=body, stream=True, catch_response=True, name=name) as resp:
             if resp.status_code != 200:
                 resp.failure(f"HTTP {resp.status_code}: {resp.text[:300]}")
@@ -203,6 +208,7 @@ class OpenAIStreamUser(HttpUser):
                     if "error" in chunk:
                         raise ValueError(f"error event: {chunk['error']}")
                     usage = chunk.get("usage") or usage
+                    ids += [t for c in chunk["choices"] for t in c.get("token_ids") or []]
                     pieces = [_chunk_text(c) for c in chunk["choices"]]
                     if any(pieces):
                         times.append(time.perf_counter())
@@ -216,7 +222,7 @@ class OpenAIStreamUser(HttpUser):
         end = time.perf_counter()
         tokens = (usage or {}).get("completion_tokens", len(times))
         self._report(name, start, times, end, tokens)
-        return "".join(text), tokens
+        return "".join(text), tokens, ids
 
     def _report(self, name: str, start: float, times: list[float], end: float, tokens: int) -> None:
         fire = self.environment.events.request.fire

@@ -544,3 +544,67 @@ def test_error_codes_and_params(server, client):
     _error(
         _post(server, "/v1/completions", {**fits, "max_tokens": 2, "logit_bias": {"x": 1}}), 422, "logit_bias"
     )
+
+
+def test_return_token_ids_equal_the_offline_engine(server, client, llm):
+    """vLLM's return_token_ids through the official client: the prompt's ids (once) and each choice's
+    ids, non-streaming and streamed (the chunks' ids concatenate), equal the offline engine's for the
+    same greedy requests; requests that do not ask get neither key."""
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    extra = {"return_token_ids": True, "ignore_eos": True}
+    want = llm.generate(PROMPT, greedy)[0]
+    prompt_ids = llm.tokenizer.encode(PROMPT)
+    ask = dict(model=server.model, prompt=PROMPT, max_tokens=6, temperature=0, n=2, extra_body=extra)
+    out = client.completions.create(**ask)
+    for choice in out.choices:
+        assert choice.prompt_token_ids == prompt_ids and choice.token_ids == want.outputs[0].token_ids
+    chunks = list(client.completions.create(**ask, stream=True))
+    for index in (0, 1):
+        mine = [c for chunk in chunks for c in chunk.choices if c.index == index]
+        assert sum((c.token_ids for c in mine), []) == want.outputs[0].token_ids
+        assert [c.prompt_token_ids for c in mine if c.prompt_token_ids] == [prompt_ids]  # the first only
+
+    messages = [{"role": "user", "content": "Name a river."}]
+    want = llm.generate(messages, greedy)[0]
+    chat = dict(model=server.model, messages=messages, max_tokens=6, temperature=0, extra_body=extra)
+    out = client.chat.completions.create(**chat)
+    assert out.prompt_token_ids == want.prompt_token_ids
+    assert out.choices[0].token_ids == want.outputs[0].token_ids
+    chunks = list(client.chat.completions.create(**chat, stream=True))
+    assert chunks[0].prompt_token_ids == want.prompt_token_ids
+    assert all(getattr(c, "prompt_token_ids", None) is None for c in chunks[1:])
+    streamed = sum((c.token_ids or [] for chunk in chunks for c in chunk.choices), [])
+    assert streamed == want.outputs[0].token_ids
+
+    base = {"model": server.model, "max_tokens": 2}
+    plain = _post(server, "/v1/completions", {**base, "prompt": PROMPT}).json()
+    assert not {"token_ids", "prompt_token_ids"} & set(plain["choices"][0])
+    plain = _post(server, "/v1/chat/completions", {**base, "messages": messages}).json()
+    assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]
+
+
+def test_the_w4_client_resends_the_answers_own_ids(server, llm):
+    """benchmarks.serve_client's stream reads the answer's ids (return_token_ids) from the real server:
+    they equal the offline engine's greedy ids, and the next turn's prompt is history + them + a message."""
+    from types import SimpleNamespace
+
+    import aiohttp
+
+    from benchmarks.serve_client import UserRequests, stream_once, user_rng
+
+    args = SimpleNamespace(workload="W4", prompt_scale=0.05, gen_scale=0.1)
+    user = UserRequests(user_rng(0, 1), args, {"vocab_size": llm.tokenizer.vocab_size, "max_model_len": 2048})
+    prompt, max_tokens, turn = user.next()
+    body = {"model": server.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+
+    async def send() -> dict:
+        async with aiohttp.ClientSession() as session:
+            return await stream_once(session, f"{server.url}/v1/completions", body)
+
+    res = asyncio.run(send())
+    want = llm.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))[0]
+    assert turn == 1 and res["ok"] and res["ids"] == want.outputs[0].token_ids
+    user.answered(res["tokens"], res["ids"])
+    following, _, turn = user.next()
+    assert turn == 2 and following[: len(prompt) + max_tokens] == prompt + res["ids"]

@@ -254,7 +254,7 @@ def test_w4_sessions_resend_their_whole_history_for_eight_turns_or_more():
             assert 64 <= len(ids) - len(prompt) - len(answer) <= 128  # plus one new user message
         sessions[-1] += 1
         prompt, answer = ids, list(range(8, 8 + max_tokens))
-        user.last.answered(answer)  # as serve_client does with stand-in ids of the answer's length
+        user.answered(max_tokens, answer)  # as serve_client does with the ids the server returned
     assert all(8 <= n <= 12 for n in sessions[:-1]) and len(sessions) >= 3
 
 
