@@ -501,9 +501,12 @@ def test_metrics_at_ray_metrics_port(server):
 
 
 @pytest.mark.slow
-def test_locust_headless_w2(server, tmp_path):
+def test_locust_headless_w2_and_w4(server, tmp_path):
+    """Locust headless against the real server: W2 with some W4 conversations (which resend each answer
+    as the ids the server returned) and a short think time; every timing row, no failure."""
     prefix = tmp_path / "w2"
-    env = {**os.environ, "MINSERVE_WORKLOAD": "W2", "MINSERVE_GEN_SCALE": "0.125"}
+    env = {**os.environ, "MINSERVE_WORKLOAD": "W2:3,W4:1", "MINSERVE_GEN_SCALE": "0.125",
+           "MINSERVE_THINK_TIME": "0.05"}  # fmt: skip
     cmd = [
         sys.executable,
         "-m",
@@ -529,6 +532,8 @@ def test_locust_headless_w2(server, tmp_path):
     by_type = {r["Type"]: r for r in rows if r["Name"] == "W2 /v1/completions"}
     assert {"POST", "TTFT", "ITL", "E2E"} <= set(by_type)
     assert int(by_type["TTFT"]["Request Count"]) > 16 and int(by_type["ITL"]["Request Count"]) > 100
+    later = {r["Type"]: r for r in rows if r["Name"] == "W4 /v1/completions turn 2+"}
+    assert {"POST", "TTFT", "E2E"} <= set(later) and int(later["POST"]["Request Count"]) > 0
     assert all(r["Failure Count"] == "0" for r in rows)
 
 
