@@ -271,50 +271,51 @@ class ResponseAssembler:
                 self._finish[index] = finish
 
     def final(self) -> dict:
-        if self.chat:
-            choices = [
-                ChatChoice(
-                    index=i,
-                    message=self._choice[i].message(),
-                    logprobs=shapes.chat_logprobs(self._logprobs[i]) if self.logprobs else None,
-                    finish_reason=self._finish[i],
-                    prompt_logprobs=self._prompt_parts(i // self.n)[2],
-                    token_ids=self._ids[i],
-                )
-                for i in range(len(self._choice))
-            ]
-            body = ChatCompletionResponse(id=self.id, created=self.created, model=self.model,
-                                          choices=choices, usage=self.usage(),
-                                          prompt_token_ids=self._prompt_ids(0))  # fmt: skip
-        else:
-            choices = []
-            for i in range(len(self._text)):
-                echo, legacy, vllm = self._prompt_parts(i // self.n)
-                lp = None
-                if self.logprobs:
-                    lp, self._offsets[i] = shapes.completion_logprobs(self._logprobs[i], self._offsets[i])
-                    lp = shapes.join(legacy, lp) if legacy is not None else lp
-                text = echo + "".join(self._text[i])
-                choices.append(
-                    CompletionChoice(
-                        index=i,
-                        text=text,
-                        logprobs=lp,
-                        finish_reason=self._finish[i],
-                        prompt_logprobs=vllm,
-                        prompt_token_ids=self._prompt_ids(i // self.n),
-                        token_ids=self._ids[i],
-                    )
-                )
-            body = CompletionResponse(
-                id=self.id, created=self.created, model=self.model, choices=choices, usage=self.usage()
-            )
+        body = self._chat_body() if self.chat else self._completion_body()
         payload = body.model_dump()
         _drop_unasked(payload, self.prompt_logprobs, self.token_ids)
         for c in payload["choices"] if self.chat else ():
             if c["message"]["tool_calls"] is None:  # the key only where there are calls
                 del c["message"]["tool_calls"]
         return payload
+
+    def _chat_body(self) -> ChatCompletionResponse:
+        choices = [
+            ChatChoice(
+                index=i,
+                message=self._choice[i].message(),
+                logprobs=shapes.chat_logprobs(self._logprobs[i]) if self.logprobs else None,
+                finish_reason=self._finish[i],
+                prompt_logprobs=self._prompt_parts(i // self.n)[2],
+                token_ids=self._ids[i],
+            )
+            for i in range(len(self._choice))
+        ]
+        return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
+                                      usage=self.usage(), prompt_token_ids=self._prompt_ids(0))  # fmt: skip
+
+    def _completion_body(self) -> CompletionResponse:
+        choices = []
+        for i in range(len(self._text)):
+            echo, legacy, vllm = self._prompt_parts(i // self.n)
+            lp = None
+            if self.logprobs:
+                lp, self._offsets[i] = shapes.completion_logprobs(self._logprobs[i], self._offsets[i])
+                lp = shapes.join(legacy, lp) if legacy is not None else lp
+            choices.append(
+                CompletionChoice(
+                    index=i,
+                    text=echo + "".join(self._text[i]),
+                    logprobs=lp,
+                    finish_reason=self._finish[i],
+                    prompt_logprobs=vllm,
+                    prompt_token_ids=self._prompt_ids(i // self.n),
+                    token_ids=self._ids[i],
+                )
+            )
+        return CompletionResponse(
+            id=self.id, created=self.created, model=self.model, choices=choices, usage=self.usage()
+        )
 
 
 def _drop_unasked(payload: dict, prompt_logprobs: bool, token_ids: bool) -> None:
