@@ -83,7 +83,7 @@ def draw(rng: random.Random, args, facts: dict) -> tuple[list[int], int]:
 
 class UserRequests:
     """One user's requests: the --workload mix as `draw` gives it, a multi-turn shape through one
-    Conversation per shape (its next turn; `answered` appends stand-in ids for the answer)."""
+    Conversation per shape (its next turn; `answered` appends the answer's ids)."""
 
     def __init__(self, rng: random.Random, args, facts: dict):
         self.rng, self.args, self.facts = rng, args, facts
