@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.device.placement import resolve_device_dtype
+from engine.device.placement import configure_process, resolve_device_dtype
 from engine.models.registry import MODEL_REGISTRY, config_from_dict
 
 pytestmark = pytest.mark.engine
@@ -91,3 +91,19 @@ def test_device_dtype_resolution(device, dtype, cuda, expected, monkeypatch):
 def test_non_floating_dtype_is_refused(dtype):
     with pytest.raises(ValueError, match=f"dtype: '{dtype}' is not a floating torch dtype"):
         resolve_device_dtype("cpu", dtype)
+
+
+def test_every_rank_applies_the_process_settings(monkeypatch):
+    """configure_process, which rank 0 (ModelRunner) and every tensor-parallel worker (tp_worker.main)
+    call: the seed, and on a GPU the configured cuBLAS front end (a worker left on torch's default would
+    run slower GEMMs and hold up every all-reduce)."""
+    from engine.runner import model_runner, tp_worker
+
+    chosen: list[str] = []
+    monkeypatch.setattr(torch.backends.cuda, "preferred_blas_library", chosen.append)
+    configure_process(torch.device("cuda", 1), 7, "cublaslt")
+    assert chosen == ["cublaslt"] and torch.initial_seed() == 7
+    configure_process(torch.device("cpu"), 3, "cublas")
+    assert chosen == ["cublaslt"] and torch.initial_seed() == 3
+    for module in (model_runner, tp_worker):
+        assert module.configure_process is configure_process

@@ -1,6 +1,8 @@
 """Where the model runs and in which dtype: "auto" and dtype names become torch objects here only.
 
 "auto" means CUDA when it is available, else CPU; the auto dtype is bf16 on CUDA and fp32 elsewhere.
+`configure_process` applies the process-wide torch settings every process that runs the model needs
+(rank 0 and each tensor-parallel worker alike).
 """
 
 from __future__ import annotations
@@ -15,6 +17,15 @@ def resolve_device_dtype(
     dtype or the name of a floating one ("bfloat16"). Resolved values pass through unchanged."""
     resolved = _device(device)
     return resolved, _dtype(dtype, resolved)
+
+
+def configure_process(device: torch.device, seed: int, blas_library: str) -> None:
+    """The torch settings that hold per process: the seed and, on a GPU, the cuBLAS front end for
+    GEMMs (LoadConfig.blas_library). Every rank applies the same ones: tensor-parallel ranks meet at
+    each all-reduce, so a rank left on slower GEMM kernels holds up all of them."""
+    torch.manual_seed(seed)
+    if device.type == "cuda":
+        torch.backends.cuda.preferred_blas_library(blas_library)
 
 
 def _device(device: str | torch.device) -> torch.device:

@@ -20,7 +20,7 @@ from dataclasses import astuple, replace
 import torch
 
 from engine.config import EngineConfig
-from engine.device.placement import resolve_device_dtype
+from engine.device.placement import configure_process, resolve_device_dtype
 from engine.device.uploader import Uploader
 from engine.lora.manager import LoRAManager
 from engine.models.attention_context import AttentionMetadata, attention_context
@@ -98,9 +98,8 @@ class ModelRunner:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.device, self.dtype = resolve_device_dtype(config.load.device, config.load.dtype)
-        torch.manual_seed(config.load.seed)
-        if self.device.type == "cuda":  # process-wide; an engine replica owns its process and its GPU
-            torch.backends.cuda.preferred_blas_library(config.load.blas_library)
+        # process-wide; an engine replica owns its process and its GPU (tensor-parallel workers: the same)
+        configure_process(self.device, config.load.seed, config.load.blas_library)
         # tensor parallelism: this process is rank 0 and starts the others; None at size 1
         self.tp = TPGroup(config, self.device) if config.tensor_parallel_size > 1 else None
         self.model, self.model_config = load_model(

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from engine.config import EngineConfig
-from engine.device.placement import resolve_device_dtype
+from engine.device.placement import configure_process, resolve_device_dtype
 from engine.lora.manager import LoRAManager
 from engine.lora.request import LoRARequest
 from engine.models import all_reduce
@@ -164,6 +164,7 @@ def main(rank: int, size: int, port: int, parent_pid: int, cpus: str = "") -> in
     if device.type == "cuda":
         device = torch.device("cuda", (device.index or 0) + rank)
         torch.cuda.set_device(device)
+    configure_process(device, config.load.seed, config.load.blas_library)  # as rank 0 does
     store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=TIMEOUT)
     store.set(f"ready/{rank}", "1")  # rank 0 waits for this, watching that no worker died first
     dist.init_process_group(backend_for(device), store=store, rank=rank, world_size=size, timeout=TIMEOUT)
