@@ -264,7 +264,7 @@ class Ingress:
         echo: bool,
         lora: LoRARequest | None = None,
     ) -> Response:
-        ids = getattr(out, "token_ids", False)  # ResponsesOutput: never
+        ids = body.return_token_ids  # a Responses request's translated chat request never asks
         streams = await self._client.open(prompts, params, out.id, arrival, echo, lora, prompt_ids=ids)
         if isinstance(streams, ApiError):
             return reject(request, streams)

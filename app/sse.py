@@ -266,7 +266,8 @@ class ResponseAssembler:
                 self._text[index].append(s["text"])
             if s["logprobs"]:
                 self._logprobs[index].extend(s["logprobs"])
-            self._ids[index].extend(s["token_ids"])
+            if self.token_ids:
+                self._ids[index].extend(s["token_ids"])
             if finish:
                 self._finish[index] = finish
 

@@ -130,7 +130,7 @@ async def user_loop(i: int, args, session, facts: dict, deadline: float, results
         if res["ok"]:
             user.answered(res["tokens"], res["ids"])
         results.append({**res, "turn": turn})
-        pause = think_seconds(pauses, getattr(args, "think_time", 0.0))
+        pause = think_seconds(pauses, args.think_time)
         if pause:
             await asyncio.sleep(min(pause, max(0.0, deadline - time.perf_counter())))
 
