@@ -431,14 +431,15 @@ def test_adapters_keep_their_own_kv_through_the_host_tier(tiny_model_dir, tmp_pa
     assert_idle(engine)
 
 
-def test_one_strided_gather_and_scatter_move_what_a_loop_over_the_caches_moves():
-    """KVOffload's copies through the stacked view of one allocation (allocate_kv_cache) against the
-    same copies looping over each cache of separately allocated caches (the fallback): the host slots
-    written, then the blocks copied back, are equal byte for byte."""
+def test_one_strided_gather_and_scatter_move_each_caches_block():
+    """KVOffload's copies through the stacked view of one allocation (allocate_kv_cache) against a
+    per-cache reference: host slot s holds block b of cache 0, then cache 1, ... byte for byte, and a
+    copy back writes each cache's block from its slot; every other block is untouched. Caches that
+    are not views of one allocation are refused with the fix."""
     import torch
 
     from engine.runner.kv_cache import KVCacheSpec, allocate_kv_cache
-    from engine.runner.kv_offload import KVOffload, stacked_view
+    from engine.runner.kv_offload import KVOffload
 
     spec = KVCacheSpec(12, 4, 3, 2, 8, torch.bfloat16)
     gib = 8 * spec.bytes_per_block / 2**30
@@ -447,18 +448,21 @@ def test_one_strided_gather_and_scatter_move_what_a_loop_over_the_caches_moves()
     for k, v in pooled:
         k.copy_(torch.randn_like(k, dtype=torch.float32))
         v.copy_(torch.randn_like(v, dtype=torch.float32))
-    apart = [(k.clone(), v.clone()) for k, v in pooled]  # separate allocations: no stacked view
-    fast, slow = KVOffload(pooled, spec, gib), KVOffload(apart, spec, gib)
-    assert fast.stacked is not None and slow.stacked is None
-    assert stacked_view([c for pair in apart for c in pair]) is None
+    caches = [c for pair in pooled for c in pair]
+    as_bytes = [c.view(torch.uint8).view(c.shape[0], -1) for c in caches]
+    tier = KVOffload(pooled, spec, gib)
     out = [(b, s) for b, s in zip([7, 2, 9, 3, 11], [0, 1, 2, 5, 6])]  # slots in runs and apart
-    fast.copy_out(out)
-    slow.copy_out(out)
-    written = [s for _, s in out]  # the other slots hold whatever the allocation held
-    assert torch.equal(fast.host[written], slow.host[written])
+    tier.copy_out(out)
+    for b, s in out:
+        assert torch.equal(tier.host[s], torch.stack([c[b] for c in as_bytes]))
+    before = [c.clone() for c in as_bytes]
     back = [(s, b) for s, b in zip([0, 1, 2, 5, 6], [1, 4, 0, 10, 5])]
-    fast.copy_in(back)
-    slow.copy_in(back)
-    for (k1, v1), (k2, v2) in zip(pooled, apart):
-        assert torch.equal(k1, k2) and torch.equal(v1, v2)
-    assert torch.equal(pooled[1][1][4], apart[1][1][4]) and torch.equal(pooled[2][0][4], pooled[2][0][2])
+    tier.copy_in(back)
+    slot_of = {b: s for s, b in back}
+    for j, (c, old) in enumerate(zip(as_bytes, before)):
+        for b in range(c.shape[0]):
+            want = tier.host[slot_of[b], j] if b in slot_of else old[b]
+            assert torch.equal(c[b], want), (j, b)
+    apart = [(k.clone(), v.clone()) for k, v in pooled]  # separate allocations
+    with pytest.raises(ValueError, match="allocate_kv_cache"):
+        KVOffload(apart, spec, gib)

@@ -5,11 +5,11 @@ out (evicted from the prefix cache) and to copy back (a prompt's prefix found in
 the copies and reports when each batch is complete (`poll`).
 
 Layout: host slot s holds one block of all 2L caches (K and V of every layer), [slots, 2L, piece]
-bytes, so a batch moves as one gather on the device (every cache's rows stacked into a staging
-buffer) and one copy per run of consecutive slots. When the caches are evenly spaced views of one
-allocation (allocate_kv_cache), one strided view [blocks, 2L, piece] reaches a block in all of them,
-and a batch's gather or scatter is one kernel, not one per cache. Pinned on a GPU host; plain memory
-on CPU, where the same code runs synchronously.
+bytes. The caches are evenly spaced views of one allocation (allocate_kv_cache), so one strided view
+[blocks, 2L, piece] reaches a block in all of them: a batch moves as one gather into a staging buffer
+on the device (one kernel, not one per cache) and one copy per run of consecutive slots, and back as
+one copy per run and one scatter. Pinned on a GPU host; plain memory on CPU, where the same code runs
+synchronously.
 
 Ordering on a GPU (two side streams of high priority, one per direction, so that their small gather
 and scatter kernels are not queued behind a step's; the steps run on the current stream):
@@ -78,7 +78,7 @@ def slot_runs(slots: list[int]) -> list[tuple[int, int, int]]:
 
 def stacked_view(caches: list[torch.Tensor]) -> torch.Tensor | None:
     """[blocks, len(caches), piece] over the caches (each [blocks, piece] bytes) when they are evenly
-    spaced in one storage, else None (the copies then loop over the caches)."""
+    spaced in one storage, else None."""
     first = caches[0]
     step = caches[1].data_ptr() - first.data_ptr() if len(caches) > 1 else 0
     same = all(
@@ -102,6 +102,11 @@ class KVOffload:
         self.piece = self.caches[0].shape[1]
         self.block_bytes = self.piece * len(self.caches)
         self.stacked = stacked_view(self.caches)
+        if self.stacked is None:
+            raise ValueError(
+                "kv_offloading_size: the KV caches must be evenly spaced views of one allocation; "
+                "allocate the pool with engine.runner.kv_cache.allocate_kv_cache"
+            )
         self.num_slots = int(gib * 2**30) // self.block_bytes
         if self.num_slots < 1:
             raise ValueError(
@@ -146,16 +151,12 @@ class KVOffload:
         pairs = sorted(pairs, key=lambda p: p[1])
         for i in range(0, len(pairs), self.max_staged):
             part = pairs[i : i + self.max_staged]
-            rows = self._index([b for b, _ in part])
-            if self.stacked is not None:
-                staged = self.stacked[rows]
-            else:
-                staged = torch.stack([c.index_select(0, rows) for c in self.caches], dim=1)
+            staged = self.stacked[self._index([b for b, _ in part])]
             for first, slot, n in slot_runs([s for _, s in part]):
                 self.host[slot : slot + n].copy_(staged[first : first + n], non_blocking=True)
 
     def copy_in(self, pairs: list[tuple[int, int]]) -> None:
-        """Host slots into GPU blocks: (slot, block) pairs, staged per chunk, scattered per cache."""
+        """Host slots into GPU blocks: (slot, block) pairs, staged per chunk, scattered in one kernel."""
         pairs = sorted(pairs)
         for i in range(0, len(pairs), self.max_staged):
             part = pairs[i : i + self.max_staged]
@@ -164,12 +165,7 @@ class KVOffload:
             )
             for first, slot, n in slot_runs([s for s, _ in part]):
                 staged[first : first + n].copy_(self.host[slot : slot + n], non_blocking=True)
-            rows = self._index([b for _, b in part])
-            if self.stacked is not None:
-                self.stacked.index_copy_(0, rows, staged)
-                continue
-            for j, cache in enumerate(self.caches):
-                cache.index_copy_(0, rows, staged[:, j])
+            self.stacked.index_copy_(0, self._index([b for _, b in part]), staged)
 
     # ------------------------------------------------------------------ batches
     def submit(self, transfers: TierTransfers) -> None:
