@@ -299,3 +299,33 @@ def test_batch_size_limit_stops_proposals(tiny_model_dir, drafts):
     assert [metrics[i].spec_draft_tokens for i in ids[:2]] == [0, 0]
     assert drafted_alone > 0  # the long request speculates once it runs alone
     assert engine.audit() == []
+
+
+# ---------------------------------------------------------------------- 6. benchmarks' synthetic acceptance
+def test_synthetic_acceptance_meets_the_same_coins_for_every_proposer_and_batch(tiny_model_dir, drafts):
+    """spec_bench compares proposers at one synthetic rate: each proposal's coin is keyed by its request
+    and position, so n-gram with the requests together or one at a time accepts exactly the same
+    proposals of each request, and a draft model the same up to its last step; the rate is near alpha."""
+    rng = random.Random(6)
+    prompts = [[rng.randrange(2000) for _ in range(12 + 5 * i)] for i in range(4)]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    cfg = dict(synthetic_acceptance_rate=0.6, disable_below_acceptance=0.0)
+
+    def counts(method: str, together: bool) -> list[tuple[int, int]]:
+        engine = make_llm(tiny_model_dir, spec(drafts, method, **cfg)).engine
+        groups = [prompts] if together else [[p] for p in prompts]
+        ids, metrics = [], {}
+        for group in groups:
+            ids += [engine.add_request(p, params) for p in group]
+            while engine.has_unfinished():
+                metrics.update({o.request_id: o.metrics for o in engine.step() if o.finished})
+        return [(metrics[i].spec_draft_tokens, metrics[i].spec_accepted_tokens) for i in ids]
+
+    ngram = counts("ngram", together=True)
+    assert counts("ngram", together=False) == ngram
+    # a draft model proposes k at a request's last step, where n-gram proposes only up to max_tokens:
+    # one more proposal there, which its coin may keep; every earlier step meets the same coins
+    for (d1, a1), (d2, a2) in zip(counts("seed7", together=True), ngram, strict=True):
+        assert d1 - d2 in (0, 1) and a1 - a2 in (0, 1)
+    drafted, accepted = (sum(c[j] for c in ngram) for j in (0, 1))
+    assert drafted > 100 and 0.45 < accepted / drafted < 0.75

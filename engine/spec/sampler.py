@@ -9,21 +9,30 @@ first j proposals, exactly the history a plain decode would have had there.
 * Sampled rows: temperature, top-k / top-p / min-p, then `verify` on the device with uniforms keyed by
   (the sequence's stream, position), so a seeded request emits the same text whatever its batch.
   A draft model's q is its own softmax(logits / T); n-gram proposals are one-hot.
-* `synthetic_acceptance_rate` (benchmarks only) accepts each proposal with that probability from a
-  fixed-seed host generator, then emits the target's argmax.
+* `synthetic_acceptance_rate` (benchmarks only) accepts each proposal with that probability, then
+  emits the target's argmax. The coin of a proposal is a hash of its request (prompt and noise stream)
+  and its position, so the same requests meet the same coins whatever the proposer, batch or step:
+  proposers compared at one rate verify the same tokens per step, not just the same on average.
 The step's one sync copies the argmaxes, the sampled rows' tokens and a draft model's proposals.
 """
 
 from __future__ import annotations
 
 import itertools
-import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from engine.sampling.rows import RowTensors, SamplingRow
-from engine.sampling.sampler import EnqueuedDraw, PendingSample, Sampler, SampleResult, _no_processor
+from engine.sampling.sampler import (
+    EnqueuedDraw,
+    PendingSample,
+    Sampler,
+    SampleResult,
+    _no_processor,
+    stream_key,
+)
 from engine.spec.verify import verify
 from kernels import ops
 
@@ -70,8 +79,8 @@ class PendingSpec(EnqueuedDraw):
     """A step's draws: its plain rows (a PendingSample or None) and its speculating rows, copies to the
     host enqueued; `resolve` waits for them and returns a SampleResult with `spec_tokens` set."""
 
-    def __init__(self, plain, spec: SpecRows, argmax, sampled, synthetic: float | None, rng, drafts=None):
-        self.plain, self.spec, self.synthetic, self.rng = plain, spec, synthetic, rng
+    def __init__(self, plain, spec: SpecRows, argmax, sampled, synthetic: float | None, drafts=None):
+        self.plain, self.spec, self.synthetic = plain, spec, synthetic
         self.sampled = plain.sampled if plain is not None else None
         self.has_drafts = drafts is not None  # gated-LoRA MTP: the next step's drafts [rows, k]
         tensors = [argmax] + ([drafts] if self.has_drafts else [])
@@ -97,10 +106,10 @@ class PendingSpec(EnqueuedDraw):
             result.spec_drafts = host.pop(0)
         drafts = self.spec.host_drafts if self.spec.host_drafts is not None else host.pop(0)
         if self.synthetic is not None:  # benchmarks: every row, sampled or not, by the coin alone
-            alpha, rng = self.synthetic, self.rng
-            result.spec_tokens = _accept_prefix(argmax, drafts, self.spec, lambda x, t: rng.random() < alpha)
+            coin = synthetic_coin(self.synthetic, self.spec.rows)
+            result.spec_tokens = _accept_prefix(argmax, drafts, self.spec, coin)
             return result
-        tokens = _accept_prefix(argmax, drafts, self.spec, lambda x, t: x == t)
+        tokens = _accept_prefix(argmax, drafts, self.spec, lambda i, a, x, t: x == t)
         if host:  # sampled rows: verify's tokens, PAD after the emitted ones
             for row, (n_acc, toks) in zip(self._sampled_index, zip(host[0], host[1])):
                 tokens[row] = toks[: n_acc + 1]
@@ -109,16 +118,24 @@ class PendingSpec(EnqueuedDraw):
 
 
 def _accept_prefix(argmax: list[int], drafts, spec: SpecRows, accept) -> list[list[int]]:
-    """Per row: its proposals while accept(proposal, target argmax there) holds, then the argmax where
-    it first fails (or after the last real proposal)."""
+    """Per row i: its proposals a = 0, 1, ... while accept(i, a, proposal, target argmax there) holds,
+    then the argmax where it first fails (or after the last real proposal)."""
     out, at = [], 0
-    for draft, d, pos in zip(drafts, spec.num_draft, spec.positions):
+    for i, (draft, d, pos) in enumerate(zip(drafts, spec.num_draft, spec.positions)):
         a = 0
-        while a < d and accept(draft[a], argmax[at + a]):
+        while a < d and accept(i, a, draft[a], argmax[at + a]):
             a += 1
         out.append(list(draft[:a]) + [argmax[at + a]])
         at += pos + 1
     return out
+
+
+def synthetic_coin(alpha: float, rows: list[SamplingRow]) -> Callable[[int, int, int, int], bool]:
+    """accept(i, a, ...) for synthetic acceptance: row i's proposal a (at position rows[i].counter + a)
+    is kept with probability alpha, by a hash of its request (prompt ids and noise stream) and position."""
+    keys = [hash((tuple(r.prompt_ids), r.key)) & _M64 for r in rows]
+    bar = alpha * 2**63  # stream_key is uniform over 63 bits
+    return lambda i, a, x, t: stream_key(keys[i], rows[i].counter + a) < bar
 
 
 class SpecSampler:
@@ -126,7 +143,6 @@ class SpecSampler:
         self.sampler = sampler
         self.tensors = RowTensors(sampler.upload, sampler.vocab_size, "spec_")
         self.synthetic = synthetic
-        self.rng = random.Random(0)
 
     @torch.inference_mode()
     def __call__(
@@ -144,7 +160,7 @@ class SpecSampler:
         argmax = ops.argmax(logits)
         sampled = self._verify_sampled(logits, raw, spec, per_pos, sampled_rows) if sampled_rows else None
         drafts = None if drafter is None else drafter(*self._outcome(argmax, spec, sampled))
-        return PendingSpec(plain, spec, argmax, sampled, self.synthetic, self.rng, drafts)
+        return PendingSpec(plain, spec, argmax, sampled, self.synthetic, drafts)
 
     def _outcome(self, argmax: torch.Tensor, spec: SpecRows, sampled) -> tuple[torch.Tensor, torch.Tensor]:
         """Per speculating row, on the device and before the host hears of it: how many host proposals
