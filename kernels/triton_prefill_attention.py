@@ -170,21 +170,26 @@ def _prefill_kernel(
 
 
 SHORT_Q = 16  # at most this many queries per sequence: one 16-row tile (tl.dot's smallest M)
+MEDIUM_Q = 32  # at most this many (MTP verify+draft, k = 4: 25 rows): one 32-row tile
 
 
 def prefill_config(
     head_dim: int, fp8_cache: bool = False, max_seqlen_q: int | None = None
 ) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages), fixed per head_dim, cache type and, for at most SHORT_Q
-    queries per sequence, the query length (no autotune).
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages), fixed per head_dim, cache type and, for at most
+    MEDIUM_Q queries per sequence, the query length (no autotune).
 
     An fp8 cache takes 64-row tiles on 4 warps, which run a chunk after a long cached prefix well ahead
     of the bf16 config. A few queries per sequence (speculative verification: k + 1) take one 16-row
-    tile on 4 warps: a 128-row tile would be almost all padding, computed for every key. Both were
-    measured (docs/performance.md, ideas tried)."""
+    tile on 4 warps: a 128-row tile would be almost all padding, computed for every key. Up to 32
+    queries (the gated-LoRA MTP layout, (k + 1)^2 rows) take one 32-row tile on 4 warps with a 3-stage
+    pipeline: two 16-row tiles would read every key twice, and at 8 sequences their doubled grid
+    queues. All were measured (docs/performance.md, ideas tried)."""
     bm, bn, num_warps, num_stages = _tile_config(head_dim, fp8_cache)
     if max_seqlen_q is not None and max_seqlen_q <= SHORT_Q:
         return 16, bn, 4, num_stages
+    if max_seqlen_q is not None and max_seqlen_q <= MEDIUM_Q:
+        return MEDIUM_Q, bn, 4, num_stages if fp8_cache else 3
     return bm, bn, num_warps, num_stages
 
 

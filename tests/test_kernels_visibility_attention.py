@@ -210,6 +210,22 @@ def test_triton_matches_reference(env: Env, case, mixed: bool, monkeypatch) -> N
     close(got[: len(visible)].double(), want.to(env.dtype).double(), env)
 
 
+@pytest.mark.parametrize("k", [3, 4])
+def test_shipped_tiles_match_reference_on_mtp_chunks(env: Env, k: int, monkeypatch) -> None:
+    """The tiles prefill_config ships for (k + 1)^2-row chunks (16 rows at k = 3, one 32-row tile at
+    k = 4), not the small test tiles: every row of a chunk sits in one tile, keys past the context
+    span several BLOCK_N tiles, and the local rows take the second loop."""
+    seqs = [Seq(70, k=k, a=k), Seq(9, k=k, a=k), Seq(33, k=k, a=1)]
+    meta, k_cache, v_cache, visible = build(env, seqs, 16, 2, 32, None, env.dtype, seed=3)
+    assert PREFILL.prefill_config(32, False, meta.max_seqlen_q)[0] == (16 if k == 3 else 32)
+    q = rand(env, len(visible), 4, 32, seed=4)
+    want = reference(q, k_cache, v_cache, visible, 2, 32**-0.5, None)
+    poisoned_empty(monkeypatch)
+    monkeypatch.setattr(ops, "use_triton", lambda x: True)
+    got = ops.attention(q, q[:, :2], q[:, :2], k_cache, v_cache, meta, 32**-0.5)
+    close(got.double(), want.to(env.dtype).double(), env)
+
+
 @pytest.mark.parametrize("window", [None, 6])
 def test_causal_visibility_is_attention_without_it(env: Env, window, monkeypatch) -> None:
     ctx_lens, q_lens = [5, 9, 0, 2, 30], [7, 1, 18, 3, 1]
