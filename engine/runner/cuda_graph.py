@@ -84,6 +84,10 @@ class _GraphSet:
         torch.cuda.synchronize()
         return pool
 
+    def pool(self):
+        """The memory pool its graphs were captured in, for graphs captured after them to share."""
+        return next(iter(self.graphs.values())).pool()
+
     def _replay(self, key: int, batch: StepBatch, upload: Uploader, fed_back, draft_ids) -> torch.Tensor:
         """Copy this step's inputs into the bucket's buffers, replay its graph, return the hidden rows
         of the real tokens. `fed_back`: the input ids of the first rows, decodes of a step scheduled ahead,

@@ -226,10 +226,11 @@ class ModelRunner:
             graphs, self.mixed_graphs = capture_on_all_ranks(self.tp, *args)
         logged = dict(graphs)  # the MTP steps' graphs are the MTP step's, never forward_batch's
         if self.mtp is not None and self.tp is None:  # with tensor parallelism MTP steps run eagerly
+            pool = graphs[1].pool()  # one pool for every graph: MTP steps and their drafting too
             self.mtp.graphs = logged[self.mtp.graphs_q] = mtp_setup.capture_graphs(
-                self.model, self.mtp_head, *args[1:]
+                self.model, self.mtp_head, *args[1:], pool
             )
-            self.mtp.capture_drafting()
+            self.mtp.capture_drafting(pool)
         drafting = self.mtp.draft_graphs if self.mtp is not None else None
         count = sum(len(g.graphs) for g in [*logged.values(), self.mixed_graphs, drafting] if g is not None)
         used = (free - torch.cuda.mem_get_info(self.device)[0]) / 2**20

@@ -86,12 +86,13 @@ def scratch_blocks(config: EngineConfig, kv_spec: KVCacheSpec) -> tuple[KVCacheS
 
 
 def capture_graphs(
-    model, head: MtpHead, device, dtype, config: EngineConfig, max_model_len: int, hidden: int
+    model, head: MtpHead, device, dtype, config: EngineConfig, max_model_len: int, hidden: int, pool
 ):
-    """The MTP steps' graphs, batch sizes up to the batch cut-off (above it nobody speculates)."""
+    """The MTP steps' graphs, batch sizes up to the batch cut-off (above it nobody speculates), captured
+    in `pool`, the memory pool of the runner's other graphs."""
     spec, size = config.speculative, config.cache.block_size
     top = max_graph_batch(config)
     graphs = MtpGraphs(model, head, spec.num_speculative_tokens, device, min(top, spec.batch_limit or top),
                        -(-max_model_len // size), size, hidden, dtype)  # fmt: skip
-    graphs.capture()
+    graphs.capture(pool)
     return graphs

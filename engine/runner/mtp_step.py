@@ -115,10 +115,10 @@ class MtpStep:
             out.append(prev)
         return torch.stack(out, dim=1)
 
-    def capture_drafting(self) -> None:
-        """Capture DraftGraphs for the buckets of `graphs` (after they are captured)."""
+    def capture_drafting(self, pool) -> None:
+        """Capture DraftGraphs for the buckets of `graphs` (after they are captured), in `pool`."""
         self.draft_graphs = DraftGraphs(self)
-        self.draft_graphs.capture()
+        self.draft_graphs.capture(pool)
 
 
 class MtpGraphs(DecodeGraphs):
@@ -183,15 +183,15 @@ class DraftGraphs:
         return self.step.drafts(self.hidden, self.first[:b], self.accepted[:b], self.bonus[:b])
 
     @torch.inference_mode()
-    def capture(self) -> None:
-        pool = None
-        for b in reversed(self.buckets):  # largest first: the smaller reuse its pool memory
+    def capture(self, pool) -> None:
+        """Largest bucket first, in `pool` (the runner's graphs' own): their temporaries share memory,
+        while each graph's outputs (`out`, and the MTP graphs' hidden rows it reads) stay allocated."""
+        for b in reversed(self.buckets):
             self._draft(b)  # warm-up: compiles every kernel outside capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 self.out[b] = self._draft(b)
-            pool = pool if pool is not None else graph.pool()
             self.graphs[b] = graph
         torch.cuda.synchronize()
 
