@@ -183,8 +183,9 @@ def prefill_config(
     of the bf16 config. A few queries per sequence (speculative verification: k + 1) take one 16-row
     tile on 4 warps: a 128-row tile would be almost all padding, computed for every key. Up to 32
     queries (the gated-LoRA MTP layout, (k + 1)^2 rows) take one 32-row tile on 4 warps with a 3-stage
-    pipeline: two 16-row tiles would read every key twice, and at 8 sequences their doubled grid
-    queues. All were measured (docs/performance.md, ideas tried)."""
+    pipeline (bf16, the case measured; an fp8 cache keeps its own stages): two 16-row tiles would read
+    every key twice, and at 8 sequences their doubled grid queues. All were measured
+    (docs/performance.md, ideas tried)."""
     bm, bn, num_warps, num_stages = _tile_config(head_dim, fp8_cache)
     if max_seqlen_q is not None and max_seqlen_q <= SHORT_Q:
         return 16, bn, 4, num_stages
