@@ -41,8 +41,9 @@ def check_expand(
     mapping: LoraMapping,
     slice_offsets: Sequence[int],
 ) -> int:
-    """Shapes only: y [T, N_total], s [T, n_slices * r] fp32, lora_b [S, N_total, r], offsets running
-    0 <= off[0] <= ... <= off[n_slices] = N_total with off[0] = 0. Returns n_slices."""
+    """Shapes only: y [T, N_total], s [T, n_slices * r] fp32 (lora_shrink's output) or in lora_b's dtype
+    (a folded layer's GEMM columns), lora_b [S, N_total, r], offsets running 0 <= off[0] <= ... <=
+    off[n_slices] = N_total with off[0] = 0. Returns n_slices."""
     n_slices = len(slice_offsets) - 1
     off = list(slice_offsets)
     if n_slices < 1 or off[0] != 0 or off[-1] != lora_b.shape[1] or sorted(off) != off:
@@ -55,10 +56,11 @@ def check_expand(
             f"lora_expand: y {tuple(y.shape)} must be [T, N_total] and lora_b {tuple(lora_b.shape)} "
             "[S, N_total, r] with the same N_total"
         )
-    if s.dim() != 2 or s.shape != (y.shape[0], n_slices * lora_b.shape[2]) or s.dtype != torch.float32:
+    shape_ok = s.dim() == 2 and s.shape == (y.shape[0], n_slices * lora_b.shape[2])
+    if not shape_ok or s.dtype not in (torch.float32, lora_b.dtype):
         raise ValueError(
             f"lora_expand: s {tuple(s.shape)} {s.dtype} must be [T, n_slices * r] = "
-            f"[{y.shape[0]}, {n_slices * lora_b.shape[2]}] float32 (lora_shrink's output)"
+            f"[{y.shape[0]}, {n_slices * lora_b.shape[2]}] float32 (lora_shrink's output) or {lora_b.dtype}"
         )
     _check_rows("lora_expand", y, lora_b, mapping)
     return n_slices

@@ -14,8 +14,9 @@ inside CUDA graphs, mixed batches included, and a replay regroups rows from the 
           `out` may vary run to run when SPLIT_K > 1).
   expand  y[t, off[i]:off[i+1]] += lora_b[slot, off[i]:off[i+1], :] @ s[t, i*r:(i+1)*r]
           every slice of a fused layer (QKV, gate|up) in ONE launch (grid axis 1 = slice); the rank r
-          is one K tile, s is rounded to lora_b's dtype for the dot (as the twin does), the add to y is
-          fp32 and y keeps its dtype. Each y element is owned by one program: plain load/add/store.
+          is one K tile, s (fp32, or already in lora_b's dtype: a folded layer's GEMM columns, see
+          engine/lora/layers.py) is rounded to lora_b's dtype for the dot (as the twin does), the add
+          to y is fp32 and y keeps its dtype. Each y element is owned by one program: plain load/add/store.
 fp32 operands use an IEEE fp32 dot (no TF32). Configs are fixed per (T, shape) (no autotune), so a
 warm-up at each captured batch size compiles every variant before graph capture.
 Twin: kernels.torch_lora.

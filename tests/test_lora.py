@@ -3,6 +3,8 @@
 * Our model with an adapter in a slot == transformers with the same adapter merged into its weights
   by peft (merge_and_unload): logits within 1e-4 for every family (rank 8 on all seven modules), and
   an rsLoRA adapter on a subset of modules; greedy tokens through the engine == HF generate.
+* The same with the only slot folded into the base projections (the gated-LoRA MTP gate's path on
+  CUDA), and without adapted rows the folded model is the plain one bit for bit.
 * A batch mixing 4 adapters and the base model == each request run alone.
 * The prefix cache keeps adapters apart: the same prompt under two adapters shares no block, and each
   output equals its cold run.
@@ -61,6 +63,44 @@ def our_logits(
         with attention_context(meta):
             out.append(model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids)))))
     return out[0], out[1]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_folded_slot_matches_peft_merged_model(family, tmp_path):
+    """One slot folded into the base projections (engine/lora/layers.py), in every family: its
+    rows equal peft's merged model, rows without it the base model; with no adapted row in the
+    forward the folded model is the unwrapped one bit for bit."""
+    hf = tiny_hf_model(family)
+    model_dir = save_checkpoint(hf, tmp_path / "model", sharded=False)
+    adapter = make_lora(model_dir, tmp_path / "lora", rank=8, alpha=16, targets="all", seed=1)
+    ids = torch.randint(0, hf.config.vocab_size, (24,), generator=torch.Generator().manual_seed(0)).tolist()
+    from engine.config import EngineConfig
+
+    model, cfg = load_model(model_dir, dtype=torch.float32, progress=False)
+    with torch.no_grad():
+        want = merged_hf(model_dir, adapter)(torch.tensor([ids])).logits[0]
+        base = hf(torch.tensor([ids])).logits[0]
+        plain = model.compute_logits(_forward(model, ids, None))
+    config = EngineConfig.from_kwargs(str(model_dir), enable_lora=True, max_loras=1, max_lora_rank=8)
+    layers = wrap_model(model, 1, 8)
+    LoRAManager(config, cfg, layers, torch.float32).load_slot(0, LoRARequest("a", 1, str(adapter)))
+    for layer in layers:
+        layer.fold()
+    assert layers[0].stacked.shape[0] == layers[0].base.weight.shape[0] + 3 * 8
+    with torch.no_grad():
+        got = model.compute_logits(_forward(model, ids, 0))
+        got_base = model.compute_logits(_forward(model, ids, -1))
+        assert torch.equal(model.compute_logits(_forward(model, ids, None)), plain)
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+    torch.testing.assert_close(got_base, base, atol=ATOL, rtol=0)
+
+
+def _forward(model, ids: list[int], slot: int | None) -> torch.Tensor:
+    meta = AttentionMetadata.for_full_sequences([len(ids)])
+    if slot is not None:
+        meta.lora_slots = torch.full((len(ids),), slot, dtype=torch.int32)
+    with attention_context(meta):
+        return model(torch.tensor(ids), torch.arange(len(ids)))
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -6,7 +6,8 @@
   that proposes the plain run's own continuation with some tokens corrupted (acceptances, rejections
   mid-chunk, and the KV of accepted proposals kept). The audit is clean afterwards.
 * The gate: at the real rows of an MTP chunk, hidden states are bit-identical with the gated LoRA on
-  and off; at the mask rows they differ.
+  and off; at the mask rows they differ. Folded into the base projections (as on CUDA), it keeps the
+  greedy output and drafts what the separate shrink drafts.
 * Drafting: the drafts of every verified chunk equal a recompute written another way: the sequence up to
   its last kept real token followed by k mask rows as one causal sequence without a KV cache (no
   visibility rule, no scratch slots), then the sampler head token by token from the bonus token.
@@ -24,7 +25,9 @@ import random
 import pytest
 import torch
 
+from engine.lora.layers import LoRALinear
 from engine.models.attention_context import AttentionMetadata, attention_context
+from engine.runner import mtp_setup
 from engine.sampling_params import SamplingParams
 from scripts.make_mtp import write_mtp_dir
 from tests.stats import chi_square_p
@@ -130,6 +133,34 @@ def test_the_gate_leaves_real_rows_bit_identical(tiny_model_dir, mtp_dir):
         real = [r for r in range(on.shape[0]) if r not in set(masks)]
         assert torch.equal(on[real], off[real])
         assert not torch.allclose(on[masks], off[masks])
+
+
+def test_a_folded_gate_keeps_greedy_output_and_drafts(tiny_model_dir, mtp_dir, plain_runs, monkeypatch):
+    """The gate folded into the base projections (what CUDA runs, forced here on the CPU): the greedy
+    output of plain decoding, and the drafts of the unfolded gate on the same steps."""
+    prompts, params, plain, _ = plain_runs
+    drafts = {}
+    for fold in (False, True):
+        if fold:
+            monkeypatch.setattr(mtp_setup, "FOLD_DEVICES", ("cuda", "cpu"))
+        llm = make_llm(tiny_model_dir, mtp(mtp_dir, disable_below_acceptance=0.0), **SCENARIOS["chunked"])
+        layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, LoRALinear)]
+        assert layers and all((m.stacked is not None) == fold for m in layers)
+        seen, real = drafts.setdefault(fold, []), llm.engine.runner.mtp.drafter
+
+        def drafter(batch, hidden, real=real, seen=seen):
+            inner = real(batch, hidden)
+
+            def draft(accepted, bonus):
+                out = inner(accepted, bonus)
+                seen.append(out.tolist())
+                return out
+
+            return draft
+
+        llm.engine.runner.mtp.drafter = drafter
+        assert generate(llm, prompts, params) == plain["chunked"]
+    assert len(drafts[True]) > 10 and drafts[True] == drafts[False]
 
 
 def reference_drafts(model, head, slot: int, tokens: list[int], bonus: int) -> list[int]:

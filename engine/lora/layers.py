@@ -14,6 +14,16 @@ forward, which every LoRA layer reads from the shared `LoRAContext`; a forward w
 Tensor parallelism: a column-parallel layer holds its rank's output rows, so B is sharded along N and
 A is whole; a row-parallel one holds its input columns, so A is sharded along K, B is whole, and the
 adapter's partial product joins the base's partial sum before the one all-reduce.
+
+Folding (`LoRALinear.fold`): where one slot is the only one (gated_lora_mtp's gate without
+enable_lora), its A is appended to the base weight as extra output rows, so one GEMM gives both the
+base output and every row's shrink, and the separate shrink (and the zeroing of its output) is not
+launched. The base weight is then a view of the first N rows of that stack, so a forward without
+adapted rows runs exactly as before; a forward with some gives y = out[:, :N] and s = out[:, N:]
+(strided views: every consumer of a projection's output indexes rows by stride). The GEMM of the wider
+weight may reduce in another order than the base one at the same row count, as GEMMs already do
+between row counts, so the real rows of such a forward may differ from the base model's in the last
+bits; docs/architecture.md says where this applies.
 """
 
 from __future__ import annotations
@@ -66,8 +76,27 @@ class LoRALinear(nn.Module):
             "lora_a", torch.zeros(s, len(sizes) * rank, in_features, dtype=dtype, device=device)
         )
         self.register_buffer("lora_b", torch.zeros(s, out_features, rank, dtype=dtype, device=device))
+        self.stacked: torch.Tensor | None = None  # [N + n_slices * r, K] once folded: base rows, then A
+        self.stacked_bias: torch.Tensor | None = None
+
+    def fold(self) -> None:
+        """Append the only slot's A to the base weight (see the module docstring); its adapter must be
+        loaded first, and later loads into the slot update the stack."""
+        if self.ctx.num_slots != 1 or self.row_parallel or isinstance(self.base, ColumnParallelMerged):
+            raise ValueError("LoRALinear.fold: only one slot, and no tensor parallelism")
+        weight, bias = self.base.weight, self.base.bias
+        self.stacked = torch.cat([weight.data, self.lora_a[0]])
+        self.base.weight = nn.Parameter(self.stacked[: weight.shape[0]], requires_grad=False)
+        if bias is not None:
+            self.stacked_bias = torch.cat([bias.data, bias.new_zeros(self.lora_a.shape[1])])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.stacked is not None and self.ctx.mapping is not None:
+            out = ops.linear(x, self.stacked, self.stacked_bias)
+            n = self.base.weight.shape[0]
+            y = out[:, :n]
+            ops.lora_expand(y, out[:, n:], self.lora_b, self.ctx.mapping, self.offsets)
+            return y
         if not self.row_parallel:
             y = self.base(x)
             self._add_lora(x, y)
@@ -107,6 +136,8 @@ class LoRALinear(nn.Module):
                 b = b[start : start + self.sizes[i]]
             self.lora_a[slot, i * r : i * r + rank].copy_(a, non_blocking=True)
             self.lora_b[slot, self.offsets[i] : self.offsets[i + 1], :rank].copy_(b, non_blocking=True)
+        if self.stacked is not None:
+            self.stacked[self.base.weight.shape[0] :].copy_(self.lora_a[0])
 
 
 def wrap_model(model: nn.Module, num_slots: int, rank: int) -> list[LoRALinear]:

@@ -17,6 +17,9 @@ from engine.runner.mtp_step import MtpGraphs
 from engine.spec.mtp_head import MtpDir, MtpHead, check_mtp_dir, load_mtp_head, load_mtp_lora
 
 log = logging.getLogger(__name__)
+# where the gate's A joins the base GEMM: on CUDA its separate shrink costs more than the wider GEMM; the
+# CPU keeps the separate shrink, so real rows stay bit-identical to the base model there
+FOLD_DEVICES = ("cuda",)
 
 
 def _mtp_spec(config: EngineConfig):
@@ -50,7 +53,9 @@ def lora_layers(
     model, config: EngineConfig, mtp: MtpDir | None, dtype: torch.dtype
 ) -> tuple[list[LoRALinear], int]:
     """(LoRA layers, the gate's slot): the adapters' slots (enable_lora: max_loras) and, with an MTP
-    directory, one slot more, the last, holding its gate's adapter (this rank's share of it)."""
+    directory, one slot more, the last, holding its gate's adapter (this rank's share of it). A gate
+    alone on one device of FOLD_DEVICES is folded into the base projections (engine/lora/layers.py):
+    each of its forwards then runs one GEMM and one expand per projection instead of three kernels."""
     slots = (config.max_loras if config.enable_lora else 0) + (mtp is not None)
     rank = max(config.max_lora_rank if config.enable_lora else 0, mtp.lora_rank if mtp else 0)
     layers = wrap_model(model, slots, rank)
@@ -58,6 +63,10 @@ def lora_layers(
         modules = load_mtp_lora(mtp, dtype).modules
         for layer in layers:
             layer.load_slot(slots - 1, modules)
+        if slots == 1 and config.tensor_parallel_size == 1 and layers[0].lora_a.device.type in FOLD_DEVICES:
+            for layer in layers:
+                layer.fold()
+            log.info("gated_lora_mtp: the gate's A folded into %d base projections", len(layers))
     return layers, slots - 1
 
 
