@@ -13,8 +13,12 @@ For each TP size (each in turn, its workers stopped before the next starts):
     this run after the decode runs (--allreduce measure, the default), or from a table it wrote on
     the same kind of GPU (--allreduce FILE);
   * teacher-forced top-1: the greedy choice at every position of 64 fixed prompts (prompt_logprobs),
-    all 64 in one batch, against TP=1's; TP=1 is also compared with itself one prompt at a time, which
-    is the agreement bf16's reduction order alone leaves on random weights.
+    all 64 in one batch, against TP=1's; TP=1 is also compared with itself one prompt at a time. A
+    prefill treats each row alike at any batch size, so TP=1 agrees with itself there bit for bit;
+  * the same through decode steps (benchmarks/teacher_forcing.py): all 64 sequences a step, and the
+    first TF_ALONE one at a time, each against TP=1's at the same batch size; TP=1 at batch 1 against
+    TP=1 at batch 64 is the agreement the decode kernels' summation order alone leaves on random
+    weights (one row takes the GEMV, 64 rows a cuBLAS GEMM).
 JSON plus a markdown table.
 """
 
@@ -33,8 +37,10 @@ from pathlib import Path
 from benchmarks.common import environment, random_prompts, write_report
 from benchmarks.engine_runs import decode_figure
 from benchmarks.roofline import ModelCost, measure_device, model_cost
+from benchmarks.teacher_forcing import decode_top1
 
 TOP1_PROMPTS, TOP1_LEN = 64, 256
+TF_START, TF_ALONE = 16, 8  # decode teacher forcing: from each prompt's first 16 tokens; 8 of them alone
 
 
 def share(cost: ModelCost, tp: int) -> ModelCost:
@@ -139,6 +145,8 @@ def run_tp(args, tp: int, one_shot: bool) -> dict:
     out["top1_batch"] = top1(llm, prompts, alone=False)
     if tp == 1:
         out["top1_alone"] = top1(llm, prompts, alone=True)
+    out["top1_decode_batch"] = decode_top1(llm, prompts, TF_START, batch=len(prompts))
+    out["top1_decode_alone"] = decode_top1(llm, prompts[:TF_ALONE], TF_START, batch=1)
     Path(args.job_out).write_text(json.dumps(out))  # before the workers stop: a hang there loses nothing
     llm.engine.runner.shutdown()
     return out
@@ -182,6 +190,8 @@ def summarize(runs: list[dict], table: list[dict], cfg: dict) -> list[dict]:
             "tp": r["tp"],
             "one_shot": r["one_shot"],
             "top1_vs_tp1": None if base is None else agreement(r["top1_batch"], base["top1_batch"]),
+            "top1_decode_vs_tp1": _against(r, base, "top1_decode_batch"),
+            "top1_decode_alone_vs_tp1": _against(r, base, "top1_decode_alone"),
         }
         for fig, batch in (("a", 1), ("b", 64)):
             f = r[fig]
@@ -197,6 +207,22 @@ def summarize(runs: list[dict], table: list[dict], cfg: dict) -> list[dict]:
     return rows
 
 
+def _against(run: dict, base: dict | None, key: str) -> float | None:
+    """Agreement of `run`'s top-1 list `key` with TP=1's (None without TP=1, or in a run from before the
+    decode-mode lists)."""
+    if base is None or key not in run or key not in base:
+        return None
+    return agreement(run[key], base[key])
+
+
+def decode_self_agreement(base: dict | None) -> float | None:
+    """TP=1's decode-mode top-1 at batch 1 against its own at batch 64, on the sequences run alone."""
+    if base is None or "top1_decode_alone" not in base:
+        return None
+    alone = base["top1_decode_alone"]
+    return agreement(alone, base["top1_decode_batch"][: len(alone)])
+
+
 def render(report: dict) -> str:
     env = report["env"]
     lines = [
@@ -207,12 +233,13 @@ def render(report: dict) -> str:
         f"Command: `{report['command']}`",
         "",
         f"Teacher-forced top-1, TP=1 one prompt at a time against TP=1 in one batch: "
-        f"{_pct(report['top1_tp1_alone_vs_batch'])}",
+        f"{_pct(report['top1_tp1_alone_vs_batch'])} (prefill); "
+        f"{_pct(report.get('top1_decode_tp1_alone_vs_batch'))} (decode steps, batch 1 against batch 64)",
         "",
         "| TP | all-reduce | (a) tok/s | x TP=1 | % roofline | step ms "
         "| all-reduce ms/step (NCCL / one-shot) | (b) tok/s | x TP=1 | % roofline "
-        "| all-reduce ms/step | top-1 vs TP=1 |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| all-reduce ms/step | top-1 vs TP=1: prefill | decode, batch 64 | decode, batch 1 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["rows"]:
         cells = [str(r["tp"]), "-" if r["tp"] == 1 else "one-shot" if r["one_shot"] else "NCCL"]
@@ -224,6 +251,7 @@ def render(report: dict) -> str:
             cells += [f"{f['step_ms_p50']:.2f}"] if fig == "a" else []
             cells += [ar_text]
         cells.append(_pct(r["top1_vs_tp1"]))
+        cells += [_pct(r.get("top1_decode_vs_tp1")), _pct(r.get("top1_decode_alone_vs_tp1"))]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -277,6 +305,7 @@ def main(argv: list[str] | None = None) -> None:
         "model_name": Path(args.model).name,
         "command": "python -m benchmarks.tp_bench " + " ".join(argv or sys.argv[1:]),
         "top1_tp1_alone_vs_batch": base and agreement(base["top1_alone"], base["top1_batch"]),
+        "top1_decode_tp1_alone_vs_batch": decode_self_agreement(base),
         "rows": summarize(runs, table, cfg),
         "runs": [{k: v for k, v in r.items() if not k.startswith("top1")} for r in runs],
     }
