@@ -83,7 +83,8 @@ def test_a_folded_slot_matches_peft_merged_model(family, tmp_path):
         plain = model.compute_logits(_forward(model, ids, None))
     config = EngineConfig.from_kwargs(str(model_dir), enable_lora=True, max_loras=1, max_lora_rank=8)
     layers = wrap_model(model, 1, 8)
-    LoRAManager(config, cfg, layers, torch.float32).load_slot(0, LoRARequest("a", 1, str(adapter)))
+    manager = LoRAManager(config, cfg, layers, torch.float32)
+    manager.load_slot(0, LoRARequest("a", 1, str(adapter)))
     for layer in layers:
         layer.fold()
     assert layers[0].stacked.shape[0] == layers[0].base.weight.shape[0] + 3 * 8
@@ -93,6 +94,11 @@ def test_a_folded_slot_matches_peft_merged_model(family, tmp_path):
         assert torch.equal(model.compute_logits(_forward(model, ids, None)), plain)
     torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
     torch.testing.assert_close(got_base, base, atol=ATOL, rtol=0)
+    other = make_lora(model_dir, tmp_path / "lora2", rank=8, alpha=16, targets="all", seed=2)
+    manager.load_slot(0, LoRARequest("b", 2, str(other)))  # a load after the fold reaches the stack
+    with torch.no_grad():
+        want = merged_hf(model_dir, other)(torch.tensor([ids])).logits[0]
+        torch.testing.assert_close(model.compute_logits(_forward(model, ids, 0)), want, atol=ATOL, rtol=0)
 
 
 def _forward(model, ids: list[int], slot: int | None) -> torch.Tensor:

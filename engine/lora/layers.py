@@ -80,13 +80,16 @@ class LoRALinear(nn.Module):
         self.stacked_bias: torch.Tensor | None = None
 
     def fold(self) -> None:
-        """Append the only slot's A to the base weight (see the module docstring); its adapter must be
-        loaded first, and later loads into the slot update the stack."""
+        """Append the only slot's A to the base weight (see the module docstring). Afterwards the base
+        weight and `lora_a` are views of the stack's first N and last rows, so a later load into the
+        slot writes the stack."""
         if self.ctx.num_slots != 1 or self.row_parallel or isinstance(self.base, ColumnParallelMerged):
             raise ValueError("LoRALinear.fold: only one slot, and no tensor parallelism")
         weight, bias = self.base.weight, self.base.bias
+        n = weight.shape[0]
         self.stacked = torch.cat([weight.data, self.lora_a[0]])
-        self.base.weight = nn.Parameter(self.stacked[: weight.shape[0]], requires_grad=False)
+        self.base.weight = nn.Parameter(self.stacked[:n], requires_grad=False)
+        self.lora_a = self.stacked[n:].unsqueeze(0)
         if bias is not None:
             self.stacked_bias = torch.cat([bias.data, bias.new_zeros(self.lora_a.shape[1])])
 
@@ -136,8 +139,6 @@ class LoRALinear(nn.Module):
                 b = b[start : start + self.sizes[i]]
             self.lora_a[slot, i * r : i * r + rank].copy_(a, non_blocking=True)
             self.lora_b[slot, self.offsets[i] : self.offsets[i + 1], :rank].copy_(b, non_blocking=True)
-        if self.stacked is not None:
-            self.stacked[self.base.weight.shape[0] :].copy_(self.lora_a[0])
 
 
 def wrap_model(model: nn.Module, num_slots: int, rank: int) -> list[LoRALinear]:
