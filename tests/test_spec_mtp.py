@@ -25,6 +25,7 @@ import random
 import pytest
 import torch
 
+from engine import LLM
 from engine.lora.layers import LoRALinear
 from engine.models.attention_context import AttentionMetadata, attention_context
 from engine.runner import mtp_setup
@@ -76,6 +77,25 @@ def with_drafts(llm, future) -> None:
         return draft
 
     step.drafter = drafter
+
+
+def recording_drafts(llm: LLM) -> list[list[list[int]]]:
+    """Record the head's drafts of every MTP step (the list fills as the engine runs)."""
+    step, record = llm.engine.runner.mtp, []
+    real = step.drafter
+
+    def drafter(batch, hidden):
+        inner = real(batch, hidden)
+
+        def draft(accepted, bonus):
+            out = inner(accepted, bonus)
+            record.append(out.tolist())
+            return out
+
+        return draft
+
+    step.drafter = drafter
+    return record
 
 
 @pytest.fixture(scope="module")
@@ -146,19 +166,7 @@ def test_a_folded_gate_keeps_greedy_output_and_drafts(tiny_model_dir, mtp_dir, p
         llm = make_llm(tiny_model_dir, mtp(mtp_dir, disable_below_acceptance=0.0), **SCENARIOS["chunked"])
         layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, LoRALinear)]
         assert layers and all((m.stacked is not None) == fold for m in layers)
-        seen, real = drafts.setdefault(fold, []), llm.engine.runner.mtp.drafter
-
-        def drafter(batch, hidden, real=real, seen=seen):
-            inner = real(batch, hidden)
-
-            def draft(accepted, bonus):
-                out = inner(accepted, bonus)
-                seen.append(out.tolist())
-                return out
-
-            return draft
-
-        llm.engine.runner.mtp.drafter = drafter
+        drafts[fold] = recording_drafts(llm)
         assert generate(llm, prompts, params) == plain["chunked"]
     assert len(drafts[True]) > 10 and drafts[True] == drafts[False]
 

@@ -304,25 +304,6 @@ def test_speculation_structured_output_sampling_and_an_fp8_kv_cache_match_tp1(ti
     assert out[2] == out[1]
 
 
-def recording_drafts(llm: LLM) -> list[list[list[int]]]:
-    """Record the head's drafts of every MTP step (the list fills as the engine runs)."""
-    step, record = llm.engine.runner.mtp, []
-    real = step.drafter
-
-    def drafter(batch, hidden):
-        inner = real(batch, hidden)
-
-        def draft(accepted, bonus):
-            out = inner(accepted, bonus)
-            record.append(out.tolist())
-            return out
-
-        return draft
-
-    step.drafter = drafter
-    return record
-
-
 @pytest.mark.parametrize("drafts", ["head", "oracle"])
 def test_gated_lora_mtp_matches_tp1(tiny_model_dir, tmp_path, drafts):
     """Self-speculation with a gated LoRA at TP=2 (eager MTP steps: each rank runs the mask rows under
@@ -333,7 +314,7 @@ def test_gated_lora_mtp_matches_tp1(tiny_model_dir, tmp_path, drafts):
     mid-chunk, whose KV every rank keeps or drops alike."""
     from scripts.make_mtp import write_mtp_dir
     from tests.test_spec_engine import SCENARIOS, generate, make_llm, mixed_batch
-    from tests.test_spec_mtp import K, mtp, with_drafts
+    from tests.test_spec_mtp import K, mtp, recording_drafts, with_drafts
 
     vocab = json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"]
     prompts, params = mixed_batch(vocab)
