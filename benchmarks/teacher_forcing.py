@@ -19,12 +19,10 @@ def decode_top1(llm, sequences: Sequence[list[int]], start: int, batch: int) -> 
     `batch` sequences at a time (the greedy token after the prompt, from the prefill, is left out)."""
     from engine import SamplingParams
 
-    if len({tuple(s) for s in sequences}) != len(sequences) or min(map(len, sequences)) < start + 2:
-        raise ValueError(f"sequences must be distinct and longer than start + 1 = {start + 1} tokens")
+    follow = {tuple(s[:start]): s[start:] for s in sequences}  # a request is known by its prompt
+    if len(follow) != len(sequences) or min(map(len, sequences)) < start + 2:
+        raise ValueError(f"sequences must differ in their first {start} tokens and be over {start + 1} long")
     eng = llm.engine
-    follow = {tuple(s[:start]): s[start:] for s in sequences}
-    if len(follow) != len(sequences):
-        raise ValueError(f"sequences must differ within their first {start} tokens")
     seen: dict[tuple[int, ...], list[int]] = {key: [] for key in follow}
     receive, ahead = eng.sink.receive, eng._schedule_ahead
 
