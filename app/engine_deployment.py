@@ -279,7 +279,7 @@ class EngineDeployment:
                 stream.prev_token_t = arrived
             if out.finished:
                 self._metrics.observe_finished(out, stream.received)
-                log_finished(out)
+                log_finished(out, stream.received)
             stream.outs.append(out)
             stream.wake.set()
 

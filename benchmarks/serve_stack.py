@@ -72,13 +72,18 @@ def engine_options(device: str, root: Path = ROOT) -> dict:
 
 
 def with_app_args(cfg: dict, settings: dict) -> dict:
-    """A variant's `args.NAME` entries, parsed as YAML values, set on the application's args."""
+    """A variant's `args.NAME` entries, parsed as YAML values, set on the application's args; a dotted
+    NAME reaches into a mapping (`args.engine.max_num_batched_tokens`: one engine option)."""
     import yaml
 
     app = cfg["applications"][0]["args"]
     for key, value in settings.items():
         if key.startswith("args."):
-            app[key[len("args.") :]] = yaml.safe_load(value)
+            *path, name = key[len("args.") :].split(".")
+            target = app
+            for part in path:
+                target = target.setdefault(part, {})
+            target[name] = yaml.safe_load(value)
     return cfg
 
 
@@ -210,11 +215,14 @@ class Server:
 # Ray's default session directory (serve run starts a local Ray; RAY_ADDRESS=local)
 SERVE_LOGS = Path("/tmp/ray/session_latest/logs/serve")
 # the tail of app/replica_support.log_finished's line: ms from the request's arrival at the ingress
-# (older trees, as a baseline, write no "to core")
+# (older trees, as a baseline, write no "to replica" or "to core")
 _LATENCY = re.compile(
-    r"(?:to core (\S+) ms, )?queue (\S+) ms, engine ttft (\S+) ms, ttft (\S+) ms, e2e (\S+) ms"
+    r"(?:to replica (\S+) ms, )?(?:to core (\S+) ms, )?queue (\S+) ms, engine ttft (\S+) ms, ttft (\S+) ms, "
+    r"e2e (\S+) ms"
 )
-LATENCY_KEYS = ("to_core_ms", "queue_ms", "engine_ttft_ms", "replica_ttft_ms", "replica_e2e_ms")
+LATENCY_KEYS = (
+    "to_replica_ms", "to_core_ms", "queue_ms", "engine_ttft_ms", "replica_ttft_ms", "replica_e2e_ms"
+)  # fmt: skip
 
 
 def replica_log_marks(logs: Path = SERVE_LOGS) -> dict[Path, int]:
@@ -224,7 +232,8 @@ def replica_log_marks(logs: Path = SERVE_LOGS) -> dict[Path, int]:
 
 def replica_log_values(marks: dict[Path, int], logs: Path = SERVE_LOGS) -> dict[str, list[float]]:
     """LATENCY_KEYS -> the values of the replica's per-request lines written since `marks`: where a
-    request's time to first token goes, from its arrival at the ingress (to core: until the engine core
+    request's time to first token goes, from its arrival at the ingress (to replica: until the engine
+    replica's `generate` began; to core: until the engine core
     took it; queue: until the core first scheduled it; engine ttft: until the core sampled its first
     token; replica ttft: until the replica had it)."""
     values: dict[str, list[float]] = {k: [] for k in LATENCY_KEYS}

@@ -286,3 +286,56 @@ def test_a_dying_loop_tells_the_replica_why(tiny_model_dir):
     while core.conn.poll(0.5):
         messages.append(core.conn.recv())
     assert isinstance(messages[-1], Dead) and "injected fault at loop" in messages[-1].error
+
+
+def test_pace_log_shows_waiting_requests_and_why(tiny_model_dir, monkeypatch, caplog):
+    """MINSERVE_PACE_LOG_S: the core logs its scheduler's pace. Three requests and one seat: while one
+    runs the other two wait, admission stops on seats, and the line says so."""
+    monkeypatch.setenv("MINSERVE_PACE_LOG_S", "0.02")
+    caplog.set_level("INFO", logger="engine.core.pace")
+    core = InProcessCore(tiny_model_dir, max_num_seqs=1)
+    try:
+        params = SamplingParams(max_tokens=40, **GREEDY)
+        core.conn.send([Add(rid, [5, 6, 7], params, time.time()) for rid in "abc"])
+        core.gate.set()
+        core.finals({"a", "b", "c"})
+    finally:
+        core.close()
+    lines = [r.getMessage() for r in caplog.records if r.name == "engine.core.pace"]
+    assert lines, "no pace line in a run of about 120 steps"
+    assert any("running 1 (min 1, max 1)" in s and "seats" in s and "waiting 0.0" not in s for s in lines)
+
+
+def test_pace_log_arithmetic_and_setting():
+    """The line's figures from a fake clock and scheduler; the setting's parsing and its error."""
+    from types import SimpleNamespace
+
+    from engine.core.pace_log import PaceLog
+
+    now = [0.0]
+    pace = PaceLog(1.0, clock=lambda: now[0])
+    sched = SimpleNamespace(running=[0] * 4, waiting=[0] * 2, admit_stop="budget")
+    for i in range(1, 5):  # steps at 0.25 s intervals: the fourth closes the interval
+        now[0] = 0.25 * i
+        sched.admit_stop = "budget" if i < 3 else None
+        line = pace.step(sched, generated_tokens=100 * i)
+    assert line == (
+        "pace: 4 steps/s; running 4 (min 4, max 4); waiting 2.0 (max 2); steps leaving some waiting: budget 2"
+    )
+    sched.running = [0]
+    now[0] = 1.5
+    assert pace.step(sched, generated_tokens=500) is None  # half of the next interval
+    now[0] = 2.0
+    line = pace.step(sched, generated_tokens=650)
+    assert line == (
+        "pace: 2 steps/s; running 1 (min 1, max 1); waiting 2.0 (max 2); out 250 tok/s; "
+        "steps leaving some waiting: none"
+    )
+    os.environ.pop("MINSERVE_PACE_LOG_S", None)
+    assert PaceLog.from_env() is None
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MINSERVE_PACE_LOG_S", "half")
+        with pytest.raises(ValueError, match="MINSERVE_PACE_LOG_S='half'"):
+            PaceLog.from_env()
+        mp.setenv("MINSERVE_PACE_LOG_S", "0")
+        assert PaceLog.from_env() is None

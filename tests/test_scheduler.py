@@ -295,6 +295,34 @@ def test_max_num_seqs_counts_all_n_samples_of_a_waiting_request():
     assert first["d"] == 4  # a's samples take steps 2 (prompt, fork) and 3: then their slots free
 
 
+def test_admission_says_why_it_left_sequences_waiting():
+    """Scheduler.admit_stop, read by the core's pace log: each limit in turn, set up so that only it
+    binds (the expected reason follows from the setup, not from the scheduler)."""
+    seats = Engine(budget=64, max_num_seqs=1)
+    seats.add("a", [1] * 4, max_tokens=3)
+    seats.add("b", [2] * 4, max_tokens=3)
+    seats.step()
+    assert seats.sched.admit_stop == "seats"  # 56 tokens of budget left, but one seat
+    budget = Engine(budget=8)
+    budget.add("a", [1] * 8)
+    budget.add("b", [2] * 4)
+    budget.step()
+    assert budget.sched.admit_stop == "budget"  # a's prompt took all 8 tokens
+    kv = Engine(budget=64, num_blocks=2, block_size=4)
+    kv.add("a", [1] * 6, max_tokens=2)
+    kv.add("b", [2] * 4)
+    kv.step()
+    assert kv.sched.admit_stop == "kv"  # a holds both blocks
+    room = Engine(budget=64)
+    room.add("a", [1] * 4)
+    room.add("b", [2] * 4)
+    room.step()
+    assert room.sched.admit_stop is None  # everyone got in
+    kv.run()
+    seats.run()
+    assert kv.sched.admit_stop is None and seats.sched.admit_stop is None
+
+
 # ---------------------------------------------------------------------------- preemption
 def test_out_of_blocks_preempts_the_newest_unscheduled_sequence_and_keeps_its_tokens():
     # 6 blocks of 4; a, b, c hold 2 each after their 8-token prompts. Their first decode (position 8)

@@ -12,7 +12,7 @@ import pytest
 
 from benchmarks import proc_cpu
 from benchmarks.serve_overhead import parse_variant
-from benchmarks.serve_stack import engine_options, serve_config
+from benchmarks.serve_stack import engine_options, replica_log_values, serve_config, with_app_args
 from benchmarks.serve_summary import overhead_acceptance, overhead_markdown
 
 CMDLINES = {
@@ -154,6 +154,30 @@ def test_serve_config_and_variants() -> None:
     )
     with pytest.raises(SystemExit):
         parse_variant("novalue")
+    cfg = serve_config("cpu", "/ckpt", 8000, 4)
+    variant = {"args.engine.max_num_batched_tokens": "8192", "args.stream_items_per_s": "1000"}
+    args = with_app_args(cfg, variant)["applications"][0]["args"]
+    assert args["engine"]["max_num_batched_tokens"] == 8192 and args["stream_items_per_s"] == 1000
+    assert args["engine"]["max_num_seqs"] == engine_options("cpu")["max_num_seqs"]  # the rest kept
+
+
+def test_replica_log_lines_of_old_and_new_trees(tmp_path) -> None:
+    """The per-request timings parse from the log lines of this tree and of older baseline trees (no
+    "to replica", no "to core"); a "-" (never reached) is left out, not read as 0."""
+    head = "INFO x -- request cmpl-1-0 length: prompt 5, completion 3, cached 0 tokens; "
+    lines = [
+        "to replica 1.5 ms, to core 2.0 ms, queue 3.0 ms, engine ttft 4.0 ms, ttft 4.5 ms, e2e 9.0 ms",
+        "to core 20.0 ms, queue 30.0 ms, engine ttft 40.0 ms, ttft 45.0 ms, e2e 90.0 ms",
+        "queue 300.0 ms, engine ttft 400.0 ms, ttft 450.0 ms, e2e 900.0 ms",
+        "to replica - ms, to core 7.0 ms, queue 8.0 ms, engine ttft - ms, ttft - ms, e2e 10.0 ms",
+    ]
+    (tmp_path / "replica_minserve_EngineDeployment_x.log").write_text("".join(head + t + "\n" for t in lines))
+    values = replica_log_values({}, tmp_path)
+    assert values["to_replica_ms"] == [1.5]
+    assert values["to_core_ms"] == [2.0, 20.0, 7.0]
+    assert values["queue_ms"] == [3.0, 30.0, 300.0, 8.0]
+    assert values["engine_ttft_ms"] == [4.0, 40.0, 400.0]
+    assert values["replica_e2e_ms"] == [9.0, 90.0, 900.0, 10.0]
 
 
 @pytest.mark.engine

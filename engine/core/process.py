@@ -55,6 +55,7 @@ from engine.core.messages import (
     Step,
     StopSample,
 )
+from engine.core.pace_log import PaceLog
 from engine.errors import EngineError, QueueFullError
 
 log = logging.getLogger("engine.core.process")
@@ -90,6 +91,8 @@ class EngineCore:
         self.running = True
         self._last_stats = self._last_summary = 0.0
         self._busy_shown = False  # the last stats showed the GPU busy: an idle core keeps them fresh
+        scheduler = getattr(engine, "scheduler", None)  # a stand-in engine (null_engine) has none
+        self.pace = PaceLog.from_env() if scheduler is not None else None  # engine/core/pace_log.py
 
     def run(self) -> int:
         """The loop, until shutdown (0), the replica going away (0) or the loop failing (1: the replica
@@ -117,6 +120,8 @@ class EngineCore:
             if self.engine.has_unfinished():
                 idle_sent = False
                 self.send_step(self.engine.step_records())
+                if self.pace is not None:
+                    self.pace.step(self.engine.scheduler, self.engine.state.counters.generation_tokens_total)
                 self.read(timeout=0.0)
                 continue
             if self.pending or not idle_sent:  # at start too: the replica has stats before any request

@@ -48,6 +48,9 @@ class Scheduler:
         self.running: list[Sequence] = []  # admission order: oldest first
         self.loading: list[Sequence] = []  # waiting for their prefix blocks from the host tier
         self.num_preemptions = 0
+        # why the last admission left sequences waiting: "seats" (max_num_seqs), "kv" (no blocks),
+        # "budget" (the step's tokens), "lora" (max_loras); None when nobody was left waiting
+        self.admit_stop: str | None = None
 
     # ------------------------------------------------------------------ queue management
     def add(self, request: Request) -> None:
@@ -134,14 +137,17 @@ class Scheduler:
         if self.loading:
             self._requeue_loaded()
         loras = self.running_loras()
+        self.admit_stop = None
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             if not self._lora_fits(seq, loras):
                 passed.append(self.waiting.popleft())
+                self.admit_stop = "lora"
                 continue
             slots = 1 if seq.request.forked else seq.request.params.n
             taken = len(self.running) + len(self.loading) + self._reserved_slots()
             if taken + slots > self.config.max_num_seqs:
+                self.admit_stop = "seats"
                 return
             # a request that wants its prompt's logprobs computes every position: it takes no cached
             # blocks (its own full blocks are still published for others)
@@ -155,6 +161,7 @@ class Scheduler:
             n = min(seq.num_pending, budget)
             if not self.bm.can_append(seq.table, seq.num_computed, n):
                 self._release_waiting()  # a waiting sequence holds no blocks: others may need them
+                self.admit_stop = "kv"
                 return
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
@@ -165,6 +172,7 @@ class Scheduler:
             if seq.request.params.prompt_logprobs is not None:
                 self._mark_prompt_logprobs(seq, out)
             budget -= n
+        self.admit_stop = "budget" if self.waiting else self.admit_stop  # the head did not fit this step
 
     def _release_waiting(self) -> None:
         """Admission stops here: every waiting sequence gives its blocks back (prefix hits, and blocks
