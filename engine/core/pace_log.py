@@ -5,7 +5,7 @@ A closed loop of many users can fall into waves: a crowd of requests arrives, it
 step's budget, its answers end at about the same time and its users return together. Prometheus
 scrapes the running and waiting gauges too seldom to show a wave of a second or two; this line shows
 them, with the mean, the least and the most running sequences of each interval, the waiting ones, the
-step rate, the output rate, and how often admission stopped with sequences still waiting, by reason
+step rate, and how often admission stopped with sequences still waiting, by reason
 (engine/sched/scheduler.Scheduler.admit_stop: the step's token budget, free sequence seats, KV blocks,
 LoRA slots).
 
@@ -28,7 +28,6 @@ class PaceLog:
         self.interval_s = interval_s
         self._clock = clock
         self._start = clock()
-        self._tokens: int | None = None
         self._reset()
 
     @classmethod
@@ -48,7 +47,7 @@ class PaceLog:
         self.waiting: list[int] = []
         self.stops: Counter[str] = Counter()
 
-    def step(self, scheduler, generated_tokens: int) -> str | None:
+    def step(self, scheduler) -> str | None:
         """Count one engine step; at the end of an interval, log its line and return it."""
         self.steps += 1
         self.running.append(len(scheduler.running))
@@ -58,19 +57,16 @@ class PaceLog:
         now = self._clock()
         if now - self._start < self.interval_s:
             return None
-        line = self._line(now - self._start, generated_tokens)
-        self._start, self._tokens = now, generated_tokens
+        line = self._line(now - self._start)
+        self._start = now
         self._reset()
         log.info("%s", line)
         return line
 
-    def _line(self, seconds: float, generated_tokens: int) -> str:
+    def _line(self, seconds: float) -> str:
         run, wait, n = self.running, self.waiting, self.steps
-        out = (
-            "" if self._tokens is None else f"; out {(generated_tokens - self._tokens) / seconds:,.0f} tok/s"
-        )
         stops = ", ".join(f"{k} {v}" for k, v in sorted(self.stops.items())) or "none"
         return (
             f"pace: {n / seconds:.0f} steps/s; running {sum(run) / n:.0f} (min {min(run)}, max {max(run)}); "
-            f"waiting {sum(wait) / n:.1f} (max {max(wait)}){out}; steps leaving some waiting: {stops}"
+            f"waiting {sum(wait) / n:.1f} (max {max(wait)}); steps leaving some waiting: {stops}"
         )

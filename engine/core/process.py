@@ -121,7 +121,7 @@ class EngineCore:
                 idle_sent = False
                 self.send_step(self.engine.step_records())
                 if self.pace is not None:
-                    self.pace.step(self.engine.scheduler, self.engine.state.counters.generation_tokens_total)
+                    self.pace.step(self.engine.scheduler)
                 self.read(timeout=0.0)
                 continue
             if self.pending or not idle_sent:  # at start too: the replica has stats before any request
