@@ -87,6 +87,12 @@ class Tokenizer:
             list(ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
         )
 
+    @property
+    def rust(self) -> Any:
+        """The tokenizers.Tokenizer behind a fast tokenizer (engine/output/detokenizer.py streams with
+        it), or None."""
+        return getattr(self.hf, "backend_tokenizer", None)
+
     def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
         return self.hf.convert_ids_to_tokens(list(ids))
 

@@ -193,3 +193,23 @@ def test_sched_host_times_steps_on_this_tree_and_a_baseline(tmp_path):
     assert set(report["us"]) == {"old", "new"} and all(
         v > 0 for t in report["us"].values() for v in t.values()
     )
+
+
+def test_replica_host_times_tokens_on_this_tree_and_a_baseline(tmp_path):
+    """benchmarks/replica_host.py end to end on two copies of this tree's engine: a row per size."""
+    import shutil
+
+    from benchmarks import replica_host
+    from benchmarks.baseline_tree import ROOT
+
+    base = tmp_path / "base"
+    for part in ("engine", "kernels", "benchmarks", "scripts"):
+        shutil.copytree(ROOT / part, base / part, ignore=shutil.ignore_patterns("__pycache__", "reports"))
+    out = tmp_path / "replica"
+    args = ["--streams", "4", "--steps", "3", "--reps", "1", "--baseline-tree", str(base), "--out", str(out)]
+    replica_host.main(args)
+    report = json.loads(out.with_suffix(".json").read_text())
+    assert set(report["us"]) == {"old", "new"} and all(
+        v > 0 for t in report["us"].values() for v in t.values()
+    )
+    assert "| 4 |" in out.with_suffix(".md").read_text()

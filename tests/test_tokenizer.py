@@ -160,3 +160,57 @@ def test_invalid_bytes_do_not_grow_the_window(llama):
         detok.push(lone_continuation)
     assert max(calls) <= 2 * (MAX_PENDING + 1)
     assert detok.text + detok.flush() == llama.decode([lone_continuation] * 200)
+
+
+class _PythonPath:
+    """The tokenizer without its Rust stream (no `rust`): IncrementalDetokenizer's two-decode path."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.decode = tokenizer.decode
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-qwen3", "tiny-gemma3"])
+@pytest.mark.parametrize("skip", [False, True])
+def test_rust_stream_gives_the_python_paths_deltas(dirs, name, skip):
+    """tokenizers' DecodeStream (the fast path) against the two-decode path, push by push, on random
+    streams heavy in single bytes and special tokens, after a prompt, with flushes mid-stream; both add
+    up to one decode of the ids."""
+    tok = Tokenizer.from_dir(dirs[name])
+    assert tok.rust is not None
+    rng = random.Random(f"{name}-{skip}")
+    specials = sorted(tok.all_special_ids)
+    streamed = pushes = 0
+    for _ in range(20):
+        prompt = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(0, 9))]
+        fast = IncrementalDetokenizer(tok, prompt_ids=prompt, skip_special_tokens=skip)
+        slow = IncrementalDetokenizer(_PythonPath(tok), prompt_ids=prompt, skip_special_tokens=skip)
+        assert fast._rust is not None and slow._rust is None
+        ids = []
+        for _ in range(80):
+            r = rng.random()
+            token = (
+                rng.randrange(256)
+                if r < 0.5
+                else rng.choice(specials)
+                if r < 0.6
+                else rng.randrange(tok.vocab_size)
+            )
+            ids.append(token)
+            streamed += fast._stream is not None
+            pushes += 1
+            assert fast.push(token) == slow.push(token)
+            if rng.random() < 0.03:
+                assert fast.flush() == slow.flush()
+        assert fast.flush() == slow.flush()
+        assert fast.text == slow.text
+    assert streamed > pushes // 2  # most pushes took the Rust stream (the rest: after partial characters)
+
+
+def test_rust_stream_cuts_runs_of_invalid_bytes(llama):
+    """A run of bytes that never completes a character is emitted every MAX_PENDING + 1 tokens on the
+    fast path too (its stream then restarts), and the text still equals one decode."""
+    lone_continuation = llama.encode("é", add_special_tokens=False)[-1]
+    detok = IncrementalDetokenizer(llama)
+    deltas = [detok.push(lone_continuation) for _ in range(200)]
+    assert [i for i, d in enumerate(deltas) if d] == list(range(MAX_PENDING, 200, MAX_PENDING + 1))
+    assert detok.text + detok.flush() == llama.decode([lone_continuation] * 200)

@@ -13,11 +13,19 @@ minus the first. It is emitted only when it does not end in U+FFFD (an incomplet
 decodes to U+FFFD until its last byte arrives). Because an emitted window always ends on a complete
 character, decoding can restart at its boundary without changing the text: the concatenated deltas
 (plus flush()) equal one decode of all the ids.
+
+A Hugging Face fast tokenizer (`tokenizer.rust`, a tokenizers.Tokenizer) runs this same scheme in Rust:
+tokenizers' DecodeStream keeps the window and decodes it, several times cheaper per token than two
+decode calls from Python. The offsets here follow its windows. flush(), the MAX_PENDING cut and a
+window whose text ends inside a character (which DecodeStream would restart differently) take the
+Python path, and the stream restarts at the next boundary; tests check both paths give the same deltas.
 """
 
 from __future__ import annotations
 
 from typing import Protocol
+
+from tokenizers.decoders import DecodeStream
 
 REPLACEMENT_CHAR = "\ufffd"
 PROMPT_CONTEXT = 6  # prompt tokens kept as left context for the first generated tokens
@@ -46,6 +54,17 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._ids)
         self._parts: list[str] = []
         self._text_cache: str | None = ""
+        self._rust = getattr(tokenizer, "rust", None)  # the fast path; None: two decodes per push here
+        self._stream: DecodeStream | None = None
+        self._start_stream()
+
+    def _start_stream(self) -> None:
+        """At a window boundary: stream in Rust from here when the tokenizer allows it and the window's
+        text is whole (DecodeStream restarts a window that ends inside a character otherwise than this
+        class does); else the two-decode path, which tries again at its next emit."""
+        window = self._ids[self._prefix_offset :]
+        whole = self._rust is not None and not self._decode(window).endswith(REPLACEMENT_CHAR)
+        self._stream = DecodeStream(ids=window, skip_special_tokens=self._skip) if whole else None
 
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip) if ids else ""
@@ -64,20 +83,35 @@ class IncrementalDetokenizer:
             self._text_cache = None
         return delta
 
+    def _emit_here(self, delta: str) -> str:
+        """Emit text decoded by this class (not by the stream), then stream from the new boundary."""
+        self._emit(delta)
+        if self._rust is not None:
+            self._start_stream()
+        return delta
+
     def push(self, token_id: int) -> str:
         self._ids.append(int(token_id))
+        forced = len(self._ids) - self._read_offset > MAX_PENDING
+        if self._stream is not None:
+            delta = self._stream.step(self._rust, self._ids[-1])
+            if delta is not None:  # the test below, made in Rust: new text, no partial character
+                return self._emit(delta)
+            return self._emit_here(self._pending_text()) if forced else ""
         delta = self._pending_text()
-        if len(self._ids) - self._read_offset > MAX_PENDING:
-            return self._emit(delta)  # invalid bytes or a long run of skipped specials: stop holding back
+        if forced:
+            return self._emit_here(
+                delta
+            )  # invalid bytes or a long run of skipped specials: stop holding back
         if not delta or delta.endswith(REPLACEMENT_CHAR):
             return ""  # nothing new yet (a skipped special token), or a character still missing bytes
-        return self._emit(delta)
+        return self._emit_here(delta)
 
     def flush(self) -> str:
         """Emit whatever is held back (at the end of generation); later pushes continue from here."""
         if self._read_offset == len(self._ids):
             return ""
-        return self._emit(self._pending_text())
+        return self._emit_here(self._pending_text())
 
     @property
     def text(self) -> str:

@@ -1,0 +1,129 @@
+"""Host time of the engine replica's reader thread per token: LiveRequest.absorb for N open streams.
+
+    python -m benchmarks.replica_host --streams 64,256 --baseline-tree /tmp/base \
+        --out benchmarks/reports/replica_host_cpu
+
+In the server, the engine replica's reader thread turns each step's token ids into text and outputs
+(engine/core/live_request.py: incremental detokenization, stop strings, RequestOutput), holding the GIL
+that the replica's event loop needs to take new requests in. This measures that work alone, the way
+a decode step brings it: N requests with 500-token prompts each get one token per step, through
+`LiveRequest.absorb`. Tokens are random ids of a 128,256-id vocabulary (what a random-weight model
+samples) or, with --text, the ids of English text. The tokenizer is the byte-level BPE that
+`scripts.make_model` writes for the Llama 3 shapes, made here once. Microseconds per token, median over
+--steps steps after 20 warm-up steps, best of --reps runs; with --baseline-tree the same on that tree's
+code, alternating, in subprocesses. JSON plus markdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from benchmarks.baseline_tree import make_trees, tree_env
+from benchmarks.common import environment, write_report
+
+VOCAB = 128_256
+WARMUP = 20
+
+
+def token_times(tokenizer_dir: str, streams: int, steps: int, text: bool) -> list[float]:
+    """Seconds per token of LiveRequest.absorb, one step of `streams` requests at a time."""
+    import random
+    import time
+
+    from engine.core.live_request import LiveRequest
+    from engine.sampling_params import SamplingParams
+    from engine.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(tokenizer_dir)
+    rng = random.Random(0)
+    words = tok.encode("The river keeper wrote in his log every evening, long after the last ship. " * 200)
+    params = SamplingParams(max_tokens=10**6)
+    live = [
+        LiveRequest(str(i), [rng.randrange(tok.vocab_size) for _ in range(500)], params, 0.0, tok)
+        for i in range(streams)
+    ]
+    times = []
+    for step in range(WARMUP + steps):
+        ids = [
+            words[(step + i) % len(words)] if text else rng.randrange(tok.vocab_size) for i in range(streams)
+        ]
+        t0 = time.perf_counter()
+        for request, token in zip(live, ids):
+            request.absorb([(0, [token], [], None, None, None, False)], False, 0, None, 0.0, None)
+        times.append((time.perf_counter() - t0) / streams)
+    return times[WARMUP:]
+
+
+def run_in(root: Path, tokenizer_dir: str, streams: int, steps: int, text: bool) -> float:
+    """Median microseconds per token on `root`'s engine (this file's `token_times`, sent as source)."""
+    source = inspect.getsource(token_times)
+    call = f"print(statistics.median(token_times({tokenizer_dir!r}, {streams}, {steps}, {text})))"
+    code = f"import statistics\nWARMUP = {WARMUP}\n{source}\n{call}"
+    env = tree_env(dict(os.environ), root)
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"{root}: {out.stderr[-2000:]}")
+    return 1e6 * float(out.stdout.strip().splitlines()[-1])
+
+
+def make_tokenizer(out_dir: Path) -> str:
+    """The Llama 3 family's generated tokenizer at the 8B / 1B vocabulary size."""
+    from scripts.make_model import TEMPLATE_DIR
+    from scripts.make_tokenizer import write_tokenizer
+
+    write_tokenizer("llama", VOCAB, out_dir, (TEMPLATE_DIR / "llama.jinja").read_text(), 8192)
+    return str(out_dir)
+
+
+def render(report: dict) -> str:
+    names = [t["name"] for t in report["trees"]]
+    lines = ["# Engine replica: reader-thread host time per token (LiveRequest.absorb), microseconds", "",
+             f"`{report['command']}`; Python {report['env']['versions']['python']}, "
+             f"{report['env']['hardware']['cpu']}; tokens: {report['tokens']}; best of {report['reps']} "
+             "runs, median of each", "",
+             "Trees: " + ", ".join(f"{t['name']} = {t.get('commit')}" for t in report["trees"]), "",
+             "| open streams | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]  # fmt: skip
+    for n in report["streams"]:
+        lines.append(f"| {n} | " + " | ".join(f"{report['us'][t][str(n)]:.2f}" for t in names) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--streams", default="64,256")
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--text", action="store_true", help="English text's ids instead of random ids")
+    ap.add_argument("--baseline-tree", type=Path)
+    ap.add_argument("--out", default="benchmarks/reports/replica_host_cpu")
+    args = ap.parse_args(argv)
+    trees = make_trees(args.baseline_tree)
+    streams = [int(n) for n in args.streams.split(",")]
+    runs: dict[str, dict[str, list[float]]] = {t.name: {str(n): [] for n in streams} for t in trees}
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer_dir = make_tokenizer(Path(tmp))
+        for _ in range(args.reps):  # alternating trees, so drift on a shared host hits both alike
+            for n in streams:
+                for tree in trees:
+                    runs[tree.name][str(n)].append(run_in(tree.root, tokenizer_dir, n, args.steps, args.text))
+    command = "python -m benchmarks.replica_host " + " ".join(argv or sys.argv[1:])
+    report = {
+        "env": environment(), "command": command,
+        "trees": [t.describe() for t in trees], "streams": streams, "reps": args.reps,
+        "tokens": "English text's ids" if args.text else f"random ids of {VOCAB:,}", "runs": runs,
+        "us": {t: {n: min(v) for n, v in by.items()} for t, by in runs.items()},
+        "median_us": {t: {n: statistics.median(v) for n, v in by.items()} for t, by in runs.items()},
+    }  # fmt: skip
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    write_report(args.out, report, render(report))
+
+
+if __name__ == "__main__":
+    main()
