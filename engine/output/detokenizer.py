@@ -99,10 +99,8 @@ class IncrementalDetokenizer:
                 return self._emit(delta)
             return self._emit_here(self._pending_text()) if forced else ""
         delta = self._pending_text()
-        if forced:
-            return self._emit_here(
-                delta
-            )  # invalid bytes or a long run of skipped specials: stop holding back
+        if forced:  # invalid bytes or a long run of skipped specials: stop holding back
+            return self._emit_here(delta)
         if not delta or delta.endswith(REPLACEMENT_CHAR):
             return ""  # nothing new yet (a skipped special token), or a character still missing bytes
         return self._emit_here(delta)
