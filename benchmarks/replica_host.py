@@ -17,16 +17,13 @@ code, alternating, in subprocesses. JSON plus markdown.
 from __future__ import annotations
 
 import argparse
-import inspect
-import os
-import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.baseline_tree import make_trees, tree_env
+from benchmarks.baseline_tree import make_trees
 from benchmarks.common import environment, write_report
+from benchmarks.host_ab import alternate, run_source, table
 
 VOCAB = 128_256
 WARMUP = 20
@@ -61,18 +58,6 @@ def token_times(tokenizer_dir: str, streams: int, steps: int, text: bool) -> lis
     return times[WARMUP:]
 
 
-def run_in(root: Path, tokenizer_dir: str, streams: int, steps: int, text: bool) -> float:
-    """Median microseconds per token on `root`'s engine (this file's `token_times`, sent as source)."""
-    source = inspect.getsource(token_times)
-    call = f"print(statistics.median(token_times({tokenizer_dir!r}, {streams}, {steps}, {text})))"
-    code = f"import statistics\nWARMUP = {WARMUP}\n{source}\n{call}"
-    env = tree_env(dict(os.environ), root)
-    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True)
-    if out.returncode:
-        raise RuntimeError(f"{root}: {out.stderr[-2000:]}")
-    return 1e6 * float(out.stdout.strip().splitlines()[-1])
-
-
 def make_tokenizer(out_dir: Path) -> str:
     """The Llama 3 family's generated tokenizer at the 8B / 1B vocabulary size."""
     from scripts.make_model import TEMPLATE_DIR
@@ -80,19 +65,6 @@ def make_tokenizer(out_dir: Path) -> str:
 
     write_tokenizer("llama", VOCAB, out_dir, (TEMPLATE_DIR / "llama.jinja").read_text(), 8192)
     return str(out_dir)
-
-
-def render(report: dict) -> str:
-    names = [t["name"] for t in report["trees"]]
-    lines = ["# Engine replica: reader-thread host time per token (LiveRequest.absorb), microseconds", "",
-             f"`{report['command']}`; Python {report['env']['versions']['python']}, "
-             f"{report['env']['hardware']['cpu']}; tokens: {report['tokens']}; best of {report['reps']} "
-             "runs, median of each", "",
-             "Trees: " + ", ".join(f"{t['name']} = {t.get('commit')}" for t in report["trees"]), "",
-             "| open streams | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]  # fmt: skip
-    for n in report["streams"]:
-        lines.append(f"| {n} | " + " | ".join(f"{report['us'][t][str(n)]:.2f}" for t in names) + " |")
-    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -106,23 +78,28 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     trees = make_trees(args.baseline_tree)
     streams = [int(n) for n in args.streams.split(",")]
-    runs: dict[str, dict[str, list[float]]] = {t.name: {str(n): [] for n in streams} for t in trees}
+    tokens = "English text's ids" if args.text else f"random ids of {VOCAB:,}"
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer_dir = make_tokenizer(Path(tmp))
-        for _ in range(args.reps):  # alternating trees, so drift on a shared host hits both alike
-            for n in streams:
-                for tree in trees:
-                    runs[tree.name][str(n)].append(run_in(tree.root, tokenizer_dir, n, args.steps, args.text))
-    command = "python -m benchmarks.replica_host " + " ".join(argv or sys.argv[1:])
+
+        def measure(root: Path, n: int) -> float:
+            return run_source(
+                root, token_times, (tokenizer_dir, n, args.steps, args.text), f"WARMUP = {WARMUP}"
+            )
+
+        runs = alternate(trees, streams, args.reps, measure)
     report = {
-        "env": environment(), "command": command,
-        "trees": [t.describe() for t in trees], "streams": streams, "reps": args.reps,
-        "tokens": "English text's ids" if args.text else f"random ids of {VOCAB:,}", "runs": runs,
-        "us": {t: {n: min(v) for n, v in by.items()} for t, by in runs.items()},
-        "median_us": {t: {n: statistics.median(v) for n, v in by.items()} for t, by in runs.items()},
-    }  # fmt: skip
+        "env": environment(),
+        "command": "python -m benchmarks.replica_host " + " ".join(argv or sys.argv[1:]),
+        "trees": [t.describe() for t in trees],
+        "streams": streams,
+        "reps": args.reps,
+        "tokens": tokens,
+        **runs,
+    }
+    title = f"Engine replica: reader-thread host time per token (LiveRequest.absorb), microseconds; {tokens}"
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    write_report(args.out, report, render(report))
+    write_report(args.out, report, table(report, title, "open streams", streams, 2))
 
 
 if __name__ == "__main__":

@@ -13,16 +13,13 @@ microseconds per step over --steps steps after 50 warm-up steps, best of --reps 
 from __future__ import annotations
 
 import argparse
-import inspect
-import os
-import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from benchmarks.baseline_tree import make_trees, tree_env
+from benchmarks.baseline_tree import make_trees
 from benchmarks.common import environment, write_report
+from benchmarks.host_ab import alternate, run_source, table
 
 WARMUP = 50
 
@@ -54,31 +51,6 @@ def step_times(seqs: int, steps: int) -> list[float]:
     return times[WARMUP:]
 
 
-def run_in(root: Path, seqs: int, steps: int) -> float:
-    """Median microseconds per step, measured in a subprocess on `root`'s engine (this file's
-    `step_times`, sent as source: the other tree may not have this benchmark)."""
-    source = inspect.getsource(step_times)
-    call = f"print(statistics.median(step_times({seqs}, {steps})))"
-    code = f"import time, statistics\nWARMUP = {WARMUP}\n{source}\n{call}"
-    env = tree_env(dict(os.environ), root)
-    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True)
-    if out.returncode:
-        raise RuntimeError(f"{root}: {out.stderr[-2000:]}")
-    return 1e6 * float(out.stdout.strip().splitlines()[-1])
-
-
-def render(report: dict) -> str:
-    names = [t["name"] for t in report["trees"]]
-    lines = ["# Scheduler host time per step (schedule_ahead + update_computed), microseconds", "",
-             f"`{report['command']}`; Python {report['env']['versions']['python']}, "
-             f"{report['env']['hardware']['cpu']}; best of {report['reps']} runs, median of each", "",
-             "Trees: " + ", ".join(f"{t['name']} = {t.get('commit')}" for t in report["trees"]), "",
-             "| sequences decoding | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]  # fmt: skip
-    for n in report["seqs"]:
-        lines.append(f"| {n} | " + " | ".join(f"{report['us'][t][str(n)]:.0f}" for t in names) + " |")
-    return "\n".join(lines) + "\n"
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seqs", default="64,256")
@@ -89,19 +61,21 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     trees = make_trees(args.baseline_tree)
     seqs = [int(n) for n in args.seqs.split(",")]
-    runs: dict[str, dict[str, list[float]]] = {t.name: {str(n): [] for n in seqs} for t in trees}
-    for _ in range(args.reps):  # alternating trees, so drift on a shared host hits both alike
-        for n in seqs:
-            for tree in trees:
-                runs[tree.name][str(n)].append(run_in(tree.root, n, args.steps))
+
+    def measure(root: Path, n: int) -> float:
+        return run_source(root, step_times, (n, args.steps), f"WARMUP = {WARMUP}")
+
     report = {
-        "env": environment(), "command": "python -m benchmarks.sched_host " + " ".join(argv or sys.argv[1:]),
-        "trees": [t.describe() for t in trees], "seqs": seqs, "reps": args.reps, "runs": runs,
-        "us": {t: {n: min(v) for n, v in by.items()} for t, by in runs.items()},
-        "median_us": {t: {n: statistics.median(v) for n, v in by.items()} for t, by in runs.items()},
-    }  # fmt: skip
+        "env": environment(),
+        "command": "python -m benchmarks.sched_host " + " ".join(argv or sys.argv[1:]),
+        "trees": [t.describe() for t in trees],
+        "seqs": seqs,
+        "reps": args.reps,
+        **alternate(trees, seqs, args.reps, measure),
+    }
+    title = "Scheduler host time per step (schedule_ahead + update_computed), microseconds"
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    write_report(args.out, report, render(report))
+    write_report(args.out, report, table(report, title, "sequences decoding", seqs, 0))
 
 
 if __name__ == "__main__":
