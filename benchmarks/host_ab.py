@@ -8,6 +8,7 @@ benchmark), which prints the median of the per-unit seconds it returns; sizes an
 
 from __future__ import annotations
 
+import argparse
 import inspect
 import os
 import statistics
@@ -17,6 +18,28 @@ from collections.abc import Callable
 from pathlib import Path
 
 from benchmarks.baseline_tree import Tree, tree_env
+from benchmarks.common import environment, write_report
+
+
+def parser(doc: str, sizes: str, steps: int, reps: int, out: str) -> argparse.ArgumentParser:
+    """The options both benchmarks take: --SIZES (comma-separated), --steps, --reps, --baseline-tree,
+    --out."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument(f"--{sizes}", default="64,256")
+    ap.add_argument("--steps", type=int, default=steps)
+    ap.add_argument("--reps", type=int, default=reps)
+    ap.add_argument("--baseline-tree", type=Path)
+    ap.add_argument("--out", default=out)
+    return ap
+
+
+def write(out: str, module: str, argv: list[str] | None, trees: list[Tree], facts: dict, markdown) -> None:
+    """The report: host, command, trees and `facts` (the sizes, reps and alternate()'s figures), as
+    JSON, and the markdown `markdown(report)` makes of it."""
+    command = f"python -m benchmarks.{module} " + " ".join(argv or sys.argv[1:])
+    report = {"env": environment(), "command": command, "trees": [t.describe() for t in trees], **facts}
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    write_report(out, report, markdown(report))
 
 
 def run_source(root: Path, func: Callable, args: tuple, prelude: str = "") -> float:

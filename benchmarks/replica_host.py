@@ -16,14 +16,11 @@ code, alternating, in subprocesses. JSON plus markdown.
 
 from __future__ import annotations
 
-import argparse
-import sys
 import tempfile
 from pathlib import Path
 
 from benchmarks.baseline_tree import make_trees
-from benchmarks.common import environment, write_report
-from benchmarks.host_ab import alternate, run_source, table
+from benchmarks.host_ab import alternate, parser, run_source, table, write
 
 VOCAB = 128_256
 WARMUP = 20
@@ -68,13 +65,8 @@ def make_tokenizer(out_dir: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--streams", default="64,256")
-    ap.add_argument("--steps", type=int, default=100)
-    ap.add_argument("--reps", type=int, default=3)
+    ap = parser(__doc__, "streams", 100, 3, "benchmarks/reports/replica_host_cpu")
     ap.add_argument("--text", action="store_true", help="English text's ids instead of random ids")
-    ap.add_argument("--baseline-tree", type=Path)
-    ap.add_argument("--out", default="benchmarks/reports/replica_host_cpu")
     args = ap.parse_args(argv)
     trees = make_trees(args.baseline_tree)
     streams = [int(n) for n in args.streams.split(",")]
@@ -88,18 +80,9 @@ def main(argv: list[str] | None = None) -> None:
             )
 
         runs = alternate(trees, streams, args.reps, measure)
-    report = {
-        "env": environment(),
-        "command": "python -m benchmarks.replica_host " + " ".join(argv or sys.argv[1:]),
-        "trees": [t.describe() for t in trees],
-        "streams": streams,
-        "reps": args.reps,
-        "tokens": tokens,
-        **runs,
-    }
+    facts = {"streams": streams, "reps": args.reps, "tokens": tokens, **runs}
     title = f"Engine replica: reader-thread host time per token (LiveRequest.absorb), microseconds; {tokens}"
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    write_report(args.out, report, table(report, title, "open streams", streams, 2))
+    write(args.out, "replica_host", argv, trees, facts, lambda r: table(r, title, "open streams", streams, 2))
 
 
 if __name__ == "__main__":

@@ -12,14 +12,11 @@ microseconds per step over --steps steps after 50 warm-up steps, best of --reps 
 
 from __future__ import annotations
 
-import argparse
-import sys
 import time
 from pathlib import Path
 
 from benchmarks.baseline_tree import make_trees
-from benchmarks.common import environment, write_report
-from benchmarks.host_ab import alternate, run_source, table
+from benchmarks.host_ab import alternate, parser, run_source, table, write
 
 WARMUP = 50
 
@@ -52,30 +49,18 @@ def step_times(seqs: int, steps: int) -> list[float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seqs", default="64,256")
-    ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--baseline-tree", type=Path)
-    ap.add_argument("--out", default="benchmarks/reports/sched_host_cpu")
-    args = ap.parse_args(argv)
+    args = parser(__doc__, "seqs", 200, 5, "benchmarks/reports/sched_host_cpu").parse_args(argv)
     trees = make_trees(args.baseline_tree)
     seqs = [int(n) for n in args.seqs.split(",")]
 
     def measure(root: Path, n: int) -> float:
         return run_source(root, step_times, (n, args.steps), f"WARMUP = {WARMUP}")
 
-    report = {
-        "env": environment(),
-        "command": "python -m benchmarks.sched_host " + " ".join(argv or sys.argv[1:]),
-        "trees": [t.describe() for t in trees],
-        "seqs": seqs,
-        "reps": args.reps,
-        **alternate(trees, seqs, args.reps, measure),
-    }
+    facts = {"seqs": seqs, "reps": args.reps, **alternate(trees, seqs, args.reps, measure)}
     title = "Scheduler host time per step (schedule_ahead + update_computed), microseconds"
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    write_report(args.out, report, table(report, title, "sequences decoding", seqs, 0))
+    write(
+        args.out, "sched_host", argv, trees, facts, lambda r: table(r, title, "sequences decoding", seqs, 0)
+    )
 
 
 if __name__ == "__main__":
