@@ -16,7 +16,7 @@ For each TP size (each in turn, its workers stopped before the next starts):
     all 64 in one batch, against TP=1's; TP=1 is also compared with itself one prompt at a time. A
     prefill treats each row alike at any batch size, so TP=1 agrees with itself there bit for bit;
   * the same through decode steps (benchmarks/teacher_forcing.py): all 64 sequences a step, and the
-    first TF_ALONE one at a time, each against TP=1's at the same batch size; TP=1 at batch 1 against
+    first --tf-alone one at a time, each against TP=1's at the same batch size; TP=1 at batch 1 against
     TP=1 at batch 64 is the agreement the decode kernels' summation order alone leaves on random
     weights (one row takes the GEMV, 64 rows a cuBLAS GEMM).
 JSON plus a markdown table.
@@ -120,7 +120,7 @@ def step_allreduce(table: list[dict], tp: int, cfg: dict, batch: int) -> dict:
     return out
 
 
-def run_tp(args, tp: int, one_shot: bool) -> dict:
+def run_tp(args, tp: int, one_shot: bool, fp32_reduce: bool = False) -> dict:
     """One TP size's figures, in this process (a job of its own: the GPUs are whole again after it)."""
     from engine import LLM
 
@@ -137,8 +137,9 @@ def run_tp(args, tp: int, one_shot: bool) -> dict:
         max_num_seqs=64,
         gpu_memory_utilization=args.gpu_memory_utilization,
         disable_custom_all_reduce=not one_shot,
+        tensor_parallel_fp32_reduce=fp32_reduce,
     )
-    out = {"tp": tp, "one_shot": one_shot, "load_s": time.perf_counter() - t0}
+    out = {"tp": tp, "one_shot": one_shot, "fp32_reduce": fp32_reduce, "load_s": time.perf_counter() - t0}
     mine = share(model_cost(args.model), tp)
     out["a"] = decode_figure(llm, mine, device, 1, 128, 256, 3, seed=10)
     out["b"] = decode_figure(llm, mine, device, 64, 1000, 128, 2, seed=20)
@@ -146,13 +147,13 @@ def run_tp(args, tp: int, one_shot: bool) -> dict:
     if tp == 1:
         out["top1_alone"] = top1(llm, prompts, alone=True)
     out["top1_decode_batch"] = decode_top1(llm, prompts, TF_START, batch=len(prompts))
-    out["top1_decode_alone"] = decode_top1(llm, prompts[:TF_ALONE], TF_START, batch=1)
+    out["top1_decode_alone"] = decode_top1(llm, prompts[: args.tf_alone], TF_START, batch=1)
     Path(args.job_out).write_text(json.dumps(out))  # before the workers stop: a hang there loses nothing
     llm.engine.runner.shutdown()
     return out
 
 
-def run_job(args, tp: int, one_shot: bool, device: dict) -> dict | None:
+def run_job(args, tp: int, one_shot: bool, device: dict, fp32_reduce: bool = False) -> dict | None:
     """run_tp in a child process; None (and its error on stderr) if it failed."""
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "job.json"
@@ -163,13 +164,15 @@ def run_job(args, tp: int, one_shot: bool, device: dict) -> dict | None:
             "--model",
             args.model,
             "--job",
-            f"{tp},{int(one_shot)}",
+            f"{tp},{int(one_shot)},{int(fp32_reduce)}",
             "--job-out",
             str(result),
             "--device-json",
             json.dumps(device),
             "--gpu-memory-utilization",
             str(args.gpu_memory_utilization),
+            "--tf-alone",
+            str(args.tf_alone),
         ]
         try:
             code = subprocess.run(cmd, timeout=args.job_timeout_s).returncode
@@ -189,6 +192,7 @@ def summarize(runs: list[dict], table: list[dict], cfg: dict) -> list[dict]:
         row = {
             "tp": r["tp"],
             "one_shot": r["one_shot"],
+            "fp32_reduce": r.get("fp32_reduce", False),
             "top1_vs_tp1": None if base is None else agreement(r["top1_batch"], base["top1_batch"]),
             "top1_decode_vs_tp1": _against(r, base, "top1_decode_batch"),
             "top1_decode_alone_vs_tp1": _against(r, base, "top1_decode_alone"),
@@ -242,7 +246,8 @@ def render(report: dict) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["rows"]:
-        cells = [str(r["tp"]), "-" if r["tp"] == 1 else "one-shot" if r["one_shot"] else "NCCL"]
+        path = "-" if r["tp"] == 1 else "one-shot" if r["one_shot"] else "NCCL"
+        cells = [str(r["tp"]), path + (", fp32 sums" if r.get("fp32_reduce") else "")]
         for fig in ("a", "b"):
             f, ar = r[fig], r[fig]["allreduce"]
             ar_text = "-" if ar is None else f"{_ms(ar['nccl_ms'])} / {_ms(ar['one_shot_ms'])}"
@@ -272,14 +277,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--paths", default="one-shot,nccl", help="all-reduce paths to run at TP > 1, in order")
     ap.add_argument("--job-timeout-s", type=float, default=300)
+    ap.add_argument(
+        "--tf-alone", type=int, default=TF_ALONE, help="sequences teacher-forced one at a time (of 64)"
+    )
     ap.add_argument("--out", default="benchmarks/reports/gpu/tp_bench")
-    ap.add_argument("--job", help=argparse.SUPPRESS)  # internal: "TP,ONE_SHOT" run in this process
+    ap.add_argument(
+        "--reduce", default="bf16", help="at TP > 1, partial sums to all-reduce: bf16, fp32 or both, in order"
+    )
+    ap.add_argument("--job", help=argparse.SUPPRESS)  # internal: "TP,ONE_SHOT,FP32" run in this process
     ap.add_argument("--job-out", help=argparse.SUPPRESS)
     ap.add_argument("--device-json", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.job:
-        tp, one_shot = (int(v) for v in args.job.split(","))
-        run_tp(args, tp, bool(one_shot))
+        tp, one_shot, fp32_reduce = (int(v) for v in args.job.split(","))
+        run_tp(args, tp, bool(one_shot), bool(fp32_reduce))
         return
     cfg = json.loads((Path(args.model) / "config.json").read_text())
     device = measure_device()
@@ -287,12 +298,16 @@ def main(argv: list[str] | None = None) -> None:
     paths = [p.strip() for p in args.paths.split(",")]
     if not paths or set(paths) - {"one-shot", "nccl"}:
         ap.error("--paths: a comma-separated list of one-shot and nccl")
+    sums = [v.strip() for v in args.reduce.split(",")]
+    if not sums or set(sums) - {"bf16", "fp32"}:
+        ap.error("--reduce: a comma-separated list of bf16 and fp32")
     for tp in (int(t) for t in args.tp.split(",")):
-        for one_shot in [True] if tp == 1 else [p == "one-shot" for p in paths]:
-            if (run := run_job(args, tp, one_shot, device)) is not None:
+        jobs = [(True, False)] if tp == 1 else [(p == "one-shot", s == "fp32") for p in paths for s in sums]
+        for one_shot, wide in jobs:
+            if (run := run_job(args, tp, one_shot, device, wide)) is not None:
                 runs.append(run)
                 a, b = run["a"]["tok_s"], run["b"]["tok_s"]
-                print(f"tp={tp} one_shot={one_shot}: (a) {a:.1f} (b) {b:.1f} tok/s", flush=True)
+                print(f"tp={tp} one_shot={one_shot} fp32={wide}: (a) {a:.1f} (b) {b:.1f} tok/s", flush=True)
     env = environment()
     if args.allreduce == "measure":
         table = measured_table(sorted({r["tp"] for r in runs if r["tp"] > 1}), cfg)

@@ -102,6 +102,7 @@ _TOP_LEVEL_OPTIONS = (
     "grammar_process",
     "tensor_parallel_size",
     "disable_custom_all_reduce",
+    "tensor_parallel_fp32_reduce",
     "enable_lora",
     "max_loras",
     "max_lora_rank",
@@ -128,6 +129,10 @@ class EngineConfig:
     # True: every all-reduce of a tensor-parallel forward goes through NCCL; False: small ones take the
     # one-shot all-reduce over NVLink peer-to-peer (engine/models/all_reduce.py). vLLM's name.
     disable_custom_all_reduce: bool = False
+    # True: the row-parallel projections hand their partial sums to the all-reduce in fp32, so the sum
+    # over ranks is rounded to the model dtype once, as TP=1's GEMM rounds it (engine/models/parallel.py);
+    # False: each rank rounds its part first. True moves twice the bytes per all-reduce.
+    tensor_parallel_fp32_reduce: bool = False
     # multi-LoRA (vLLM's names; docs/lora.md): requests may name a PEFT adapter. max_loras adapters sit
     # in GPU slots at once (a step never needs more), each of rank <= max_lora_rank; max_cpu_loras are
     # kept in host memory, least recently used evicted (None: max_loras)
@@ -141,6 +146,8 @@ class EngineConfig:
         ok = isinstance(tp, int) and not isinstance(tp, bool) and tp >= 1
         fix = "use a whole number >= 1 (1: no tensor parallelism)"
         _require(ok, "tensor_parallel_size", f"got {tp!r}; {fix}")
+        wide = self.tensor_parallel_fp32_reduce
+        _require(isinstance(wide, bool), "tensor_parallel_fp32_reduce", f"got {wide!r}; use true or false")
         self._check_lora()
 
     def _check_lora(self) -> None:

@@ -50,14 +50,36 @@ def _use_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
     )
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """x [..., K] @ weight[N, K]^T (+ bias): the Triton GEMV for a single bf16/fp16 row,
-    torch.nn.functional.linear (cuBLAS) for everything else."""
+    torch.nn.functional.linear (cuBLAS) for everything else. out_dtype=torch.float32 (no bias): the
+    fp32 sums before any rounding to x's dtype (a row-parallel partial sum, engine/models/parallel.py)."""
+    if out_dtype is not None and out_dtype != x.dtype:
+        return _linear_wide(x, weight, bias, out_dtype)
     if _use_gemv(x, weight, bias):
         from kernels import triton_gemv
 
         return triton_gemv.gemv(x.contiguous(), weight, bias)
     return torch.nn.functional.linear(x, weight, bias)
+
+
+def _linear_wide(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype) -> torch.Tensor:
+    if out_dtype != torch.float32 or bias is not None:
+        raise ValueError(f"linear: out_dtype {out_dtype}, bias {bias is not None}; only float32, no bias")
+    if _use_gemv(x, weight, None):
+        from kernels import triton_gemv
+
+        out = torch.empty((*x.shape[:-1], weight.shape[0]), dtype=out_dtype, device=x.device)
+        return triton_gemv.gemv(x.contiguous(), weight, None, out=out)
+    if x.is_cuda:  # cuBLAS writes its fp32 accumulators out unrounded
+        flat = torch.mm(x.reshape(-1, x.shape[-1]), weight.t(), out_dtype=out_dtype)
+        return flat.view(*x.shape[:-1], weight.shape[0])
+    return torch.nn.functional.linear(x.float(), weight.float())
 
 
 def gated_linear(

@@ -9,8 +9,12 @@ symmetric array of flags. Program p owns row p. It:
      flags[p, rank] on that peer;
   3. waits until every peer's flags[p, peer] on this rank reach the epoch (acquire loads);
   4. reads row p of every peer's slot, sums the partials in rank order in fp32 (every rank sums the
-     same values in the same order, so every rank gets the same bits), rounds the sum to the model
-     dtype, adds the residual and normalises, exactly as kernels/triton_norm.py does.
+     same values in the same order, so every rank gets the same bits), rounds the sum to the residual's
+     dtype (the model's), adds the residual and normalises, exactly as kernels/triton_norm.py does.
+
+The partials may be fp32 (a GEMM that kept its fp32 sums) or the model dtype; the slots hold the
+partials' dtype (the caller passes its buffers viewed as that dtype). With fp32 partials the sum over
+ranks is rounded once, as TP=1's single GEMM rounds its whole sum once.
 
 One barrier per call, no second one: a rank writes slot e % 2 of row p only at epoch e, after its
 wait of epoch e - 1, which needed every peer's row p of epoch e - 1, written after that peer's
@@ -102,7 +106,7 @@ def _allreduce_add_norm_kernel(
     r = tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
     # the reduced value in the model dtype, then the sum rounded to the storage dtype: as an all-reduce
     # followed by kernels/triton_norm.py would compute it
-    h = (acc.to(x_ptr.dtype.element_ty).to(tl.float32) + r).to(res_out_ptr.dtype.element_ty)
+    h = (acc.to(res_ptr.dtype.element_ty).to(tl.float32) + r).to(res_out_ptr.dtype.element_ty)
     tl.store(res_out_ptr + row * n_cols + cols, h, mask=mask)
     hf = h.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(hf * hf, axis=0) / n_cols + eps)
@@ -122,8 +126,9 @@ def allreduce_add_rms_norm(
     rank: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(sum over ranks of partial + residual), that sum + residual) for partial, residual
-    [R, N] contiguous with R <= MAX_ROWS. data / flags: every rank's symmetric buffers as this process
-    maps them, by rank: data of two slots, each at least R * N elements of partial's dtype; flags
+    [R, N] contiguous with R <= MAX_ROWS; partial in residual's dtype or fp32, the outputs in residual's.
+    data / flags: every rank's symmetric buffers as this process maps them, by rank: data in partial's
+    dtype, of two slots, each at least R * N elements; flags
     int64 [MAX_ROWS, world], zeroed on every rank before the first call. epochs: int64 [MAX_ROWS],
     this rank's, zeroed."""
     world = len(data)
@@ -133,7 +138,12 @@ def allreduce_add_rms_norm(
         raise ValueError(f"allreduce_add_rms_norm: {world} ranks; at most {MAX_WORLD}, one flag array each")
     if rows > MAX_ROWS or rows * n > slot_elems:
         raise ValueError(f"allreduce_add_rms_norm: {rows} rows of {n} exceed {MAX_ROWS} rows or the slot")
-    out = torch.empty_like(partial)
+    if data[0].dtype != partial.dtype or partial.dtype not in (residual.dtype, torch.float32):
+        raise ValueError(
+            f"allreduce_add_rms_norm: partial {partial.dtype}, slots {data[0].dtype}, residual "
+            f"{residual.dtype}; the slots take the partial's dtype, which is the residual's or float32"
+        )
+    out = torch.empty_like(residual)
     res_out = torch.empty_like(residual)
     if rows == 0:
         return out, res_out

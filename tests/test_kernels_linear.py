@@ -129,6 +129,25 @@ def test_ops_linear_dispatch(monkeypatch) -> None:
     assert not calls
 
 
+@interp
+def test_ops_linear_fp32_out_keeps_the_sums_unrounded(monkeypatch) -> None:
+    """out_dtype=float32 (a row-parallel partial sum): one fp16 row through the GEMV and two through the
+    fallback give the fp32 sums, not the fp16-rounded ones; a bias or another dtype is refused."""
+    monkeypatch.setattr(ops, "use_triton", lambda x: True)
+    k, n = 300, 70
+    w = _rand(n, k, seed=12, dtype=torch.float16)
+    for rows in (1, 2):
+        x = _rand(rows, k, seed=13, dtype=torch.float16)
+        got = ops.linear(x, w, None, torch.float32)
+        ref = _reference(x, w)
+        assert got.dtype == torch.float32 and got.shape == (rows, n)
+        torch.testing.assert_close(got.double(), ref, atol=1e-4, rtol=1e-5)
+        rounded = ops.linear(x, w).double()  # fp16 output: off by up to half an fp16 ulp
+        assert (got.double() - ref).abs().max() < 0.1 * (rounded - ref).abs().max()
+    with pytest.raises(ValueError, match="only float32, no bias"):
+        ops.linear(x, w, _rand(n, seed=14, dtype=torch.float16), torch.float32)
+
+
 # ----------------------------------------------------------------------------------------- GPU
 
 SHAPES = {  # (K, N): Llama-3.1-8B and Llama-3.2-1B projections
@@ -149,6 +168,22 @@ def test_real_shapes_bf16(name: str) -> None:
     got = tg.gemv(x, w, out=out)
     ref = torch.nn.functional.linear(x.float(), w.float())  # fp32 on the GPU: fp64 would be slow at 1 GB
     torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA_OK, reason="needs CUDA")
+@pytest.mark.parametrize("rows", [1, 64])
+def test_fp32_out_real_shape_bf16(rows: int) -> None:
+    """The TP=2 down_proj shard of the 8B shape with fp32 sums out (GEMV at one row, cuBLAS at 64):
+    within fp32 error of an fp64 reference, well inside the bf16 output's error."""
+    k, n = 7168, 4096
+    x = _rand(rows, k, seed=15, dtype=torch.bfloat16, device="cuda")
+    w = _rand(n, k, seed=16, dtype=torch.bfloat16, device="cuda") * k**-0.5
+    got = ops.linear(x, w, None, torch.float32)
+    ref = _reference(x, w)
+    assert got.dtype == torch.float32
+    err = (got.double().cpu() - ref).abs().max()
+    assert err < 1e-4 and err < 0.05 * (ops.linear(x, w).double().cpu() - ref).abs().max()
 
 
 @pytest.mark.gpu

@@ -91,6 +91,31 @@ def test_greedy_output_matches_tp1(tiny_model_dir, reference, tp):
     assert max(len(p) for p in rounds()[0]) > OPTIONS["max_num_batched_tokens"]  # chunked prefill ran
 
 
+def _prompt_logprobs(llm: LLM) -> torch.Tensor:
+    sp = SamplingParams(max_tokens=0, prompt_logprobs=0, temperature=0.0)
+    prompts = rounds()[0]
+    outs = llm.generate(prompts, [sp] * len(prompts), use_tqdm=False)
+    return torch.tensor([lp.logprob for r in outs for lp in r.prompt_logprobs if lp is not None])
+
+
+def test_fp32_reduce_rounds_the_sum_over_ranks_once_like_tp1(tiny_model_dir):
+    """In bf16, each rank rounding its partial sum moves TP=2's logprobs off TP=1's; with
+    tensor_parallel_fp32_reduce the sum is rounded once, as TP=1's one GEMM rounds it, and TP=2 lands
+    (nearly always) on TP=1's bits: its largest difference is a small fraction of the bf16 partials'."""
+    bf16 = {**OPTIONS, "dtype": "bfloat16"}
+    want = _prompt_logprobs(LLM(str(tiny_model_dir), **bf16))
+    errors = {}
+    for wide in (False, True):
+        llm = LLM(str(tiny_model_dir), tensor_parallel_size=2, tensor_parallel_fp32_reduce=wide, **bf16)
+        try:
+            errors[wide] = (_prompt_logprobs(llm) - want).abs()
+        finally:
+            llm.engine.runner.shutdown()
+    assert errors[False].max() > 0  # the bf16 partials do move them
+    assert errors[True].max() <= 0.25 * errors[False].max(), (errors[True].max(), errors[False].max())
+    assert (errors[True] == 0).float().mean() > (errors[False] == 0).float().mean()
+
+
 def test_a_forward_header_rebuilds_the_step_rank_0_runs():
     """A mixed step padded as a graph bucket pads it: the header and two broadcast spans give the
     workers the same ids, positions and attention metadata (cache-free metadata: separate spans)."""
@@ -242,6 +267,8 @@ def test_workers_die_with_rank_0s_process(tiny_model_dir):
 def test_a_bad_tensor_parallel_size_is_refused_by_the_config(value):
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         EngineConfig.from_kwargs("models/x", tensor_parallel_size=value)
+    with pytest.raises(ValueError, match="tensor_parallel_fp32_reduce: got 'yes'; use true or false"):
+        EngineConfig.from_kwargs("models/x", tensor_parallel_fp32_reduce="yes")
 
 
 def child_pids(parent: int | None = None) -> set[int]:

@@ -64,8 +64,8 @@ def test_one_shot_and_nccl_sum_exactly_on_two_gpus_plain_and_in_graphs():
 
 def _check_fused_norm(rank: int, world: int, port: int) -> None:
     """kernels/triton_allreduce_norm.py against the sum in rank order then kernels/triton_norm.py, bit for
-    bit, on every rank alike: plain calls of varying row counts (epochs and slot parities advance per
-    program), then a CUDA graph replayed with new inputs."""
+    bit, on every rank alike: plain calls of varying row counts, with bf16 and fp32 partials in turn
+    (epochs and slot parities advance per program), then a CUDA graph replayed with new inputs."""
     from engine.models import all_reduce
     from kernels import triton_norm
 
@@ -87,8 +87,13 @@ def _check_fused_norm(rank: int, world: int, port: int) -> None:
             total += p.float()
         return triton_norm.add_rms_norm(total.to(torch.bfloat16), residual, weight, eps)
 
-    for rows in (1, 64, 3, 1, 17, 64, 1, 2, 1):
+    for rows, takes in ((64, True), (65, False)):  # fp32 partials (tensor_parallel_fp32_reduce) fit alike
+        wide = torch.zeros(rows, hidden, dtype=torch.float32, device=device)
+        assert (all_reduce.fused_for(wide) is not None) == takes
+    for i, rows in enumerate((1, 64, 3, 1, 17, 64, 1, 2, 1, 64)):
         parts, residual = inputs(rows)  # every rank draws the same; each passes its own part
+        if i % 2:  # fp32 partials alternate with bf16 ones through the same slots
+            parts = [p.float() + torch.randn(p.shape, generator=gen).to(device) * 1e-3 for p in parts]
         fused = all_reduce.fused_for(parts[rank])
         assert fused is not None
         got = fused(parts[rank], residual, weight, eps, 0.0)

@@ -17,6 +17,10 @@ residual add and the norm are one kernel for messages the fused path takes (`all
 kernels/triton_allreduce_norm.py): it saves the norm's launch and one of the one-shot kernel's two
 barriers, and, launched with PDL, lets the next GEMV start streaming its weights while it waits.
 
+With `tensor_parallel_fp32_reduce`, row-parallel projections pass fp32 partial sums: the fused kernel
+takes them up to 64 rows (twice the bytes over NVLink), NCCL above; each rank then rounds the total
+once. The symmetric slots are fp32 either way, viewed as the model dtype for its partials.
+
 `install` runs once per process, right after the group forms, on every rank in the same order: the
 symmetric buffer's rendezvous is itself a collective.
 """
@@ -61,8 +65,9 @@ class OneShot:
 
 
 class FusedAddNorm:
-    """Symmetric memory for kernels/triton_allreduce_norm.py: two slots of `max_bytes` per rank, the
-    flags every peer signals into, and this rank's epoch per program."""
+    """Symmetric memory for kernels/triton_allreduce_norm.py: two slots per rank, the flags every peer
+    signals into, and this rank's epoch per program. A slot holds the rows of `max_bytes` of model-dtype
+    partials in fp32 (`wide_partials`), or those rows in the model dtype (the same storage, viewed)."""
 
     def __init__(self, device: torch.device, dtype: torch.dtype, max_bytes: int):
         import torch.distributed._symmetric_memory as symm_mem
@@ -70,29 +75,37 @@ class FusedAddNorm:
         from kernels.triton_allreduce_norm import MAX_ROWS
 
         group = dist.group.WORLD
-        self.dtype, self.slot_elems, self.max_rows = dtype, max_bytes // dtype.itemsize, MAX_ROWS
-        data = symm_mem.empty(2 * self.slot_elems, dtype=dtype, device=device)
+        self.dtype, self.max_rows = dtype, MAX_ROWS
+        self.slot_elems = max_bytes // dtype.itemsize  # elements of one slot, whichever dtype it holds
+        data = symm_mem.empty(2 * self.slot_elems, dtype=torch.float32, device=device)
         flags = symm_mem.empty(MAX_ROWS * group.size(), dtype=torch.int64, device=device)
         flags.zero_()
-        self.data, self.flags = _peer_views(data, group), _peer_views(flags, group)
+        wide = _peer_views(data, group)
+        self.data = {torch.float32: wide}
+        if dtype != torch.float32:  # the same bytes as model-dtype slots (each twice the elements it needs)
+            self.data[dtype] = [d.view(dtype) for d in wide]
+        self.flags = _peer_views(flags, group)
         self.rank = group.rank()
         self.epochs = torch.zeros(MAX_ROWS, dtype=torch.int64, device=device)
         torch.cuda.synchronize(device)
         dist.barrier()  # every rank's flags are zero before any peer can signal into them
 
+    def takes(self, rows: int, cols: int) -> bool:
+        """Whether a partial sum of `rows` x `cols` fits (in either dtype)."""
+        return rows <= self.max_rows and rows * cols <= self.slot_elems and cols % 16 == 0
+
     def fits(self, x: torch.Tensor) -> bool:
         rows = x.numel() // x.shape[-1]
-        small = rows <= self.max_rows and x.numel() <= self.slot_elems
-        return small and x.dtype == self.dtype and x.is_contiguous() and x.shape[-1] % 16 == 0
+        return self.takes(rows, x.shape[-1]) and x.dtype in self.data and x.is_contiguous()
 
     def __call__(self, partial, residual, weight, eps, weight_offset):
         from kernels.triton_allreduce_norm import allreduce_add_rms_norm
 
         shape = partial.shape
         rows = partial.reshape(-1, shape[-1]), residual.reshape(-1, shape[-1]).contiguous()
-        symm = (self.data, self.flags, self.epochs, self.rank)
+        symm = (self.data[partial.dtype], self.flags, self.epochs, self.rank)
         out, res = allreduce_add_rms_norm(*rows, weight, eps, weight_offset, *symm)
-        return out.view(shape), res.view(shape)
+        return out.view(residual.shape), res.view(residual.shape)
 
 
 def _peer_views(tensor: torch.Tensor, group) -> list[torch.Tensor]:
@@ -108,12 +121,15 @@ def _peer_views(tensor: torch.Tensor, group) -> list[torch.Tensor]:
 
 _one_shot: OneShot | None = None
 _fused: FusedAddNorm | None = None
+_wide = False
 
 
-def install(device: torch.device, dtype: torch.dtype, enabled: bool) -> None:
-    """Set up this process's small-message path (a collective: every rank calls it, in step)."""
-    global _one_shot, _fused
+def install(device: torch.device, dtype: torch.dtype, enabled: bool, wide: bool = False) -> None:
+    """Set up this process's small-message path (a collective: every rank calls it, in step), and
+    whether partial sums are fp32 (`wide`)."""
+    global _one_shot, _fused, _wide
     _one_shot = _fused = None
+    _wide = wide
     if not enabled or device.type != "cuda" or dtype not in ONE_SHOT_DTYPES:
         return
     from kernels.triton_allreduce_norm import MAX_WORLD
@@ -122,6 +138,7 @@ def install(device: torch.device, dtype: torch.dtype, enabled: bool) -> None:
     if dist.get_world_size() <= MAX_WORLD:  # every rank decides alike: the set-up is a collective
         _fused = FusedAddNorm(device, dtype, ONE_SHOT_MAX_BYTES)
     fused = "; fused with add + RMSNorm up to 64 rows" if _fused is not None else ""
+    fused += "; fp32 partial sums" if wide else ""
     log.info("one-shot all-reduce for messages up to %d KiB%s", ONE_SHOT_MAX_BYTES // 1024, fused)
 
 
@@ -132,6 +149,13 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
         return _one_shot(x)
     dist.all_reduce(x)
     return x
+
+
+def wide_partials() -> bool:
+    """Whether row-parallel projections hand over fp32 partial sums (EngineConfig.
+    tensor_parallel_fp32_reduce): the sum over ranks is then rounded once, as TP=1's one GEMM rounds it,
+    rather than each rank rounding its part first."""
+    return _wide
 
 
 def fused_for(partial: torch.Tensor) -> FusedAddNorm | None:

@@ -4,6 +4,8 @@ With `tensor_parallel_size` = P, rank r builds the model from `local_config` (it
 MLP columns and vocabulary rows) and holds:
   * q|k|v and gate|up column-parallel (its output rows of each projection; no communication);
   * o_proj and down_proj row-parallel (its input columns), one all-reduce each, bias added once after;
+    with `tensor_parallel_fp32_reduce` their partial sums stay fp32 until the sum over ranks, which is
+    then rounded to the model dtype once, as TP=1's GEMM rounds it;
   * the embedding and the LM head vocab-parallel: rows [r * V', (r + 1) * V') of the vocabulary with
     V' = ceil(V / P); the last rank's padding rows are zero and never looked up. An embedding lookup
     is masked to the rank's rows and all-reduced; the LM head gives the rank's logits columns, which
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.models.all_reduce import all_reduce, fused_for
+from engine.models.all_reduce import all_reduce, fused_for, wide_partials
 from engine.models.config import ModelConfig
 from engine.models.layers import Linear, LinearFactory, MergedLinear, RMSNorm, _empty_param
 from engine.models.quant_shard import check_quant_tp
@@ -114,7 +116,10 @@ class RowParallelLinear(RowReduce, Linear):
         return (1, self.column, self.weight.shape[1]) if leaf == "weight" else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.reduce(ops.linear(x, self.weight, None))
+        if not wide_partials() or x.element_size() >= 4:  # widening only: fp32 / fp64 models keep theirs
+            return self.reduce(ops.linear(x, self.weight, None))
+        partial = ops.linear(x, self.weight, None, torch.float32)
+        return partial if self.defer_reduce else self.reduce(partial).to(x.dtype)  # rounded once, after
 
 
 class ReducingRMSNorm(RMSNorm):
@@ -125,7 +130,8 @@ class ReducingRMSNorm(RMSNorm):
         fused = fused_for(x)
         if fused is not None:
             return fused(x, residual, self.weight, self.eps, self.weight_offset)
-        return ops.add_rms_norm(all_reduce(x), residual, self.weight, self.eps, self.weight_offset)
+        total = all_reduce(x).to(residual.dtype)  # an fp32 partial sum is rounded once, after the sum
+        return ops.add_rms_norm(total, residual, self.weight, self.eps, self.weight_offset)
 
 
 def fuse_reductions(model: torch.nn.Module) -> None:

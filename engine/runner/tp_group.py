@@ -120,7 +120,9 @@ class TPGroup:
         backend, size = backend_for(self.device), self.shard.size
         dist.init_process_group(backend, store=store, rank=0, world_size=size, timeout=TIMEOUT)
         dtype = resolve_device_dtype(config.load.device, config.load.dtype)[1]
-        all_reduce.install(self.device, dtype, not config.disable_custom_all_reduce)
+        all_reduce.install(
+            self.device, dtype, not config.disable_custom_all_reduce, config.tensor_parallel_fp32_reduce
+        )
 
     def _spawn(self, rank: int, port: int, config: EngineConfig) -> None:
         """Start rank `rank` from a keeper thread that waits on it for its whole life (its death signal

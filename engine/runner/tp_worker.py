@@ -168,7 +168,9 @@ def main(rank: int, size: int, port: int, parent_pid: int, cpus: str = "") -> in
     store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=TIMEOUT)
     store.set(f"ready/{rank}", "1")  # rank 0 waits for this, watching that no worker died first
     dist.init_process_group(backend_for(device), store=store, rank=rank, world_size=size, timeout=TIMEOUT)
-    all_reduce.install(device, dtype, not config.disable_custom_all_reduce)
+    all_reduce.install(
+        device, dtype, not config.disable_custom_all_reduce, config.tensor_parallel_fp32_reduce
+    )
     Worker(config, Shard(rank, size), device, dtype).run(commands)
     # EOF: rank 0 closed the group. Nothing is left to flush, and a clean interpreter teardown of
     # torch (and the group) takes seconds on a busy host: leave at once.
