@@ -131,7 +131,8 @@ class EngineConfig:
     disable_custom_all_reduce: bool = False
     # True: the row-parallel projections hand their partial sums to the all-reduce in fp32, so the sum
     # over ranks is rounded to the model dtype once, as TP=1's GEMM rounds it (engine/models/parallel.py);
-    # False: each rank rounds its part first. True moves twice the bytes per all-reduce.
+    # False: each rank rounds its part first. True moves twice the bytes per all-reduce. Plain 16-bit
+    # projections only: quantised and LoRA ones hand over model-dtype partials either way.
     tensor_parallel_fp32_reduce: bool = False
     # multi-LoRA (vLLM's names; docs/lora.md): requests may name a PEFT adapter. max_loras adapters sit
     # in GPU slots at once (a step never needs more), each of rank <= max_lora_rank; max_cpu_loras are
