@@ -75,7 +75,7 @@ class FusedAddNorm:
         from kernels.triton_allreduce_norm import MAX_ROWS
 
         group = dist.group.WORLD
-        self.dtype, self.max_rows = dtype, MAX_ROWS
+        self.max_rows = MAX_ROWS
         self.slot_elems = max_bytes // dtype.itemsize  # elements of one slot, whichever dtype it holds
         data = symm_mem.empty(2 * self.slot_elems, dtype=torch.float32, device=device)
         flags = symm_mem.empty(MAX_ROWS * group.size(), dtype=torch.int64, device=device)
