@@ -175,9 +175,7 @@ class EngineClient:
             rid = f"{request_id}-{i}"
             if self._keys is not None:
                 extra[HASHES_KWARG] = self._keys(p, lora)
-            call = partial(
-                generate.remote, p, params, request_id=rid, arrival_time=arrival_time, echo=echo, **extra
-            )
+            call = partial(_call, generate, p, params, rid, arrival_time, echo, dict(extra))
             streams.append(EngineStream(i, rid, call(), self._abort, self._retry_after))
             calls.append(call)
         try:
@@ -192,6 +190,14 @@ class EngineClient:
         for s, first in zip(streams, firsts):
             s.accepted = first
         return streams
+
+
+def _call(generate, prompt, params, rid, arrival_time, echo, extra) -> DeploymentResponseGenerator:
+    """One call of the replica's `generate`, stamped with when the ingress made it (sent_time): the
+    replica's log line splits the time before it began into the ingress's part and Serve's hop."""
+    return generate.remote(
+        prompt, params, request_id=rid, arrival_time=arrival_time, echo=echo, sent_time=time.time(), **extra
+    )
 
 
 async def _first(stream: EngineStream, call: Callable[[], DeploymentResponseGenerator]) -> Item:

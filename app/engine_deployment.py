@@ -112,12 +112,14 @@ class EngineDeployment:
         prefix_hashes: list[int] | None = None,
         lora_request: LoRARequest | None = None,
         prompt_ids: bool = False,
+        sent_time: float | None = None,
     ) -> AsyncIterator[dict | ApiError]:
         """arrival_time: when the ingress received the request (time.time()), the origin of the TTFT,
         queue and e2e histograms. echo: the accepted item carries the prompt's tokens (app/prompts.py).
         prefix_hashes: the routing key, read by app/router.py only. lora_request: the adapter named in
         the request's `model` (the call's multiplexed model id is its name). prompt_ids: the accepted
-        item carries the prompt's token ids (return_token_ids)."""
+        item carries the prompt's token ids (return_token_ids). sent_time: when the ingress made this call
+        (time.time()), for the log line."""
         received = time.time()
         if self._early_aborts.take(request_id):
             return  # the ingress gave up on it before it came: nobody reads this stream
@@ -129,7 +131,7 @@ class EngineDeployment:
             yield submitted
             return
         rid, facts = submitted
-        stream = self._streams[rid] = Stream(received)
+        stream = self._streams[rid] = Stream(received, sent_time)
         finished = False
         try:
             yield {"kind": "accepted", "request_id": rid, **facts}
@@ -279,7 +281,7 @@ class EngineDeployment:
                 stream.prev_token_t = arrived
             if out.finished:
                 self._metrics.observe_finished(out, stream.received)
-                log_finished(out, stream.received)
+                log_finished(out, stream.received, stream.sent)
             stream.outs.append(out)
             stream.wake.set()
 

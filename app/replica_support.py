@@ -12,10 +12,11 @@ from engine.outputs import RequestOutput
 logger = logging.getLogger("ray.serve")
 
 
-def log_finished(out: RequestOutput, received: float | None = None) -> None:
+def log_finished(out: RequestOutput, received: float | None = None, sent: float | None = None) -> None:
     """The one INFO line per request: how it ended, its sizes, and where its time went, from its arrival
-    at the ingress: received by this replica (`received`, its time.time()), taken by the engine core,
-    first scheduled there, first token sampled there, first token here, finished."""
+    at the ingress: sent on by the ingress (`sent`), received by this replica (`received`; both
+    time.time()), taken by the engine core, first scheduled there, first token sampled there, first token
+    here, finished."""
     m = out.metrics
     ms = lambda t: f"{1000 * (t - m.arrival_time):.1f}" if t is not None else "-"
     reasons = ",".join(sorted({d.finish_reason for d in out.outputs if d.finish_reason}))
@@ -24,9 +25,10 @@ def log_finished(out: RequestOutput, received: float | None = None) -> None:
         spec = f"; accepted {m.spec_accepted_tokens}/{m.spec_draft_tokens} proposals"
     logger.info(
         "request %s %s: prompt %d, completion %d, cached %d tokens; "
-        "to replica %s ms, to core %s ms, queue %s ms, engine ttft %s ms, ttft %s ms, e2e %s ms%s",
+        "in ingress %s ms, to replica %s ms, to core %s ms, queue %s ms, engine ttft %s ms, ttft %s ms, "
+        "e2e %s ms%s",
         out.request_id, reasons or "finished", out.prompt_tokens, out.completion_tokens, out.cached_tokens,
-        ms(received), ms(m.added_time), ms(m.first_scheduled_time), ms(m.engine_token_time),
+        ms(sent), ms(received), ms(m.added_time), ms(m.first_scheduled_time), ms(m.engine_token_time),
         ms(m.first_token_time), ms(m.finished_time), spec,
     )  # fmt: skip
 

@@ -112,7 +112,7 @@ def run_client(args, server: Server, users: int, seed: int, duration: float, nam
     except ImportError as exc:  # no psutil: figures without the CPU split
         sampler, cpu = None, {"error": str(exc), "roles": {}, "processes": []}
     if args.profile and name == f"u{args.users[0]}":
-        profile_server(server, name, delay=min(10.0, duration / 3), seconds=args.profile)
+        profile_server(server, name, min(10.0, duration / 3), args.profile, args.profile_gil)
     try:
         rc = client.wait(timeout=duration + 300)
     finally:
@@ -243,6 +243,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--skip", default="", help="comma-separated: offline, served, null")
     add("--null-step-ms", type=float, default=None, help="the null core's step (default: from the twin)")
     add("--profile", type=float, default=0.0, help="py-spy seconds in each server's first window (0: off)")
+    add("--profile-gil", action="store_true", help="py-spy keeps only the samples holding the GIL")
     add(
         "--baseline-tree", type=Path, default=None, help="also measure the code of this tree (old), same host"
     )

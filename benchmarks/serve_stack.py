@@ -215,13 +215,14 @@ class Server:
 # Ray's default session directory (serve run starts a local Ray; RAY_ADDRESS=local)
 SERVE_LOGS = Path("/tmp/ray/session_latest/logs/serve")
 # the tail of app/replica_support.log_finished's line: ms from the request's arrival at the ingress
-# (older trees, as a baseline, write no "to replica" or "to core")
+# (older trees, as a baseline, write no "in ingress", "to replica" or "to core")
 _LATENCY = re.compile(
-    r"(?:to replica (\S+) ms, )?(?:to core (\S+) ms, )?queue (\S+) ms, engine ttft (\S+) ms, ttft (\S+) ms, "
-    r"e2e (\S+) ms"
+    r"(?:in ingress (\S+) ms, )?(?:to replica (\S+) ms, )?(?:to core (\S+) ms, )?"
+    r"queue (\S+) ms, engine ttft (\S+) ms, ttft (\S+) ms, e2e (\S+) ms"
 )
 LATENCY_KEYS = (
-    "to_replica_ms", "to_core_ms", "queue_ms", "engine_ttft_ms", "replica_ttft_ms", "replica_e2e_ms"
+    "in_ingress_ms", "to_replica_ms", "to_core_ms", "queue_ms", "engine_ttft_ms", "replica_ttft_ms",
+    "replica_e2e_ms",
 )  # fmt: skip
 
 
@@ -232,10 +233,10 @@ def replica_log_marks(logs: Path = SERVE_LOGS) -> dict[Path, int]:
 
 def replica_log_values(marks: dict[Path, int], logs: Path = SERVE_LOGS) -> dict[str, list[float]]:
     """LATENCY_KEYS -> the values of the replica's per-request lines written since `marks`: where a
-    request's time to first token goes, from its arrival at the ingress (to replica: until the engine
-    replica's `generate` began; to core: until the engine core
-    took it; queue: until the core first scheduled it; engine ttft: until the core sampled its first
-    token; replica ttft: until the replica had it)."""
+    request's time to first token goes, from its arrival at the ingress (in ingress: until the ingress
+    called the engine replica; to replica: until the replica's `generate` began; to core: until the
+    engine core took it; queue: until the core first scheduled it; engine ttft: until the core sampled
+    its first token; replica ttft: until the replica had it)."""
     values: dict[str, list[float]] = {k: [] for k in LATENCY_KEYS}
     for path in replica_log_marks(logs):
         with open(path, "rb") as f:
@@ -255,9 +256,11 @@ def replica_latencies(marks: dict[Path, int]) -> dict:
     return {k: percentiles(v) for k, v in replica_log_values(marks).items()}
 
 
-def profile_server(server: Server, name: str, delay: float, seconds: float) -> None:
+def profile_server(server: Server, name: str, delay: float, seconds: float, gil: bool = False) -> None:
     """py-spy (where installed) records the core, replica, ingress and proxy for `seconds` after `delay`,
-    as folded stacks in RUN_DIR/profile_<name>_<role>.txt; runs in the background."""
+    as folded stacks (one frame per thread first) in RUN_DIR/profile_<name>_<role>.txt; runs in the
+    background. gil: only samples of the thread holding the GIL, which is where a process's CPU goes when
+    its threads contend for it (without: every running thread's samples, GIL waits included)."""
     import shutil
 
     spy = shutil.which("py-spy", path=os.pathsep.join(["/tmp/pylib/bin", os.environ.get("PATH", "")]))
@@ -280,7 +283,7 @@ def profile_server(server: Server, name: str, delay: float, seconds: float) -> N
             if role in ("engine core", "replica", "ingress", "proxy"):
                 out = server.run_dir / f"profile_{name}_{role.replace(' ', '_')}_{pid}.txt"
                 cmd = [spy, "record", "-p", str(pid), "-d", str(int(seconds)), "-r", "100", "-f", "raw",
-                       "--nonblocking", "-o", str(out)]  # fmt: skip
+                       "--nonblocking", "--threads", *(["--gil"] if gil else []), "-o", str(out)]  # fmt: skip
                 subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     threading.Thread(target=record, daemon=True).start()

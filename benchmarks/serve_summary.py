@@ -172,7 +172,8 @@ def _check_value(c: dict) -> str:
 
 
 LATENCY_COLS = (
-    ("to_replica_ms", "to replica"), ("to_core_ms", "to core"), ("queue_ms", "queue"),
+    ("in_ingress_ms", "in ingress"), ("to_replica_ms", "to replica"), ("to_core_ms", "to core"),
+    ("queue_ms", "queue"),
     ("engine_ttft_ms", "engine TTFT"), ("replica_ttft_ms", "replica TTFT"),
 )  # fmt: skip
 

@@ -163,9 +163,11 @@ def test_serve_config_and_variants() -> None:
 
 def test_replica_log_lines_of_old_and_new_trees(tmp_path) -> None:
     """The per-request timings parse from the log lines of this tree and of older baseline trees (no
-    "to replica", no "to core"); a "-" (never reached) is left out, not read as 0."""
+    "in ingress", no "to replica", no "to core"); a "-" (never reached) is left out, not read as 0."""
     head = "INFO x -- request cmpl-1-0 length: prompt 5, completion 3, cached 0 tokens; "
     lines = [
+        "in ingress 0.5 ms, to replica 1.0 ms, to core 1.5 ms, queue 2.5 ms, engine ttft 3.0 ms, "
+        "ttft 3.5 ms, e2e 6.0 ms",
         "to replica 1.5 ms, to core 2.0 ms, queue 3.0 ms, engine ttft 4.0 ms, ttft 4.5 ms, e2e 9.0 ms",
         "to core 20.0 ms, queue 30.0 ms, engine ttft 40.0 ms, ttft 45.0 ms, e2e 90.0 ms",
         "queue 300.0 ms, engine ttft 400.0 ms, ttft 450.0 ms, e2e 900.0 ms",
@@ -173,11 +175,12 @@ def test_replica_log_lines_of_old_and_new_trees(tmp_path) -> None:
     ]
     (tmp_path / "replica_minserve_EngineDeployment_x.log").write_text("".join(head + t + "\n" for t in lines))
     values = replica_log_values({}, tmp_path)
-    assert values["to_replica_ms"] == [1.5]
-    assert values["to_core_ms"] == [2.0, 20.0, 7.0]
-    assert values["queue_ms"] == [3.0, 30.0, 300.0, 8.0]
-    assert values["engine_ttft_ms"] == [4.0, 40.0, 400.0]
-    assert values["replica_e2e_ms"] == [9.0, 90.0, 900.0, 10.0]
+    assert values["in_ingress_ms"] == [0.5]
+    assert values["to_replica_ms"] == [1.0, 1.5]
+    assert values["to_core_ms"] == [1.5, 2.0, 20.0, 7.0]
+    assert values["queue_ms"] == [2.5, 3.0, 30.0, 300.0, 8.0]
+    assert values["engine_ttft_ms"] == [3.0, 4.0, 40.0, 400.0]
+    assert values["replica_e2e_ms"] == [6.0, 9.0, 90.0, 900.0, 10.0]
 
 
 @pytest.mark.engine

@@ -196,8 +196,8 @@ def test_one_log_line_per_request_shows_within_seconds(server, client):
     done = client.completions.create(model=server.model, prompt=PROMPT, max_tokens=3, temperature=0.0)
     pattern = re.compile(
         rf"request {re.escape(done.id)}\S* length: prompt \d+, completion 3, cached \d+ tokens; "
-        r"to replica [\d.]+ ms, to core [\d.]+ ms, queue [\d.]+ ms, engine ttft [\d.]+ ms, ttft [\d.]+ ms, "
-        r"e2e [\d.]+ ms"
+        r"in ingress [\d.]+ ms, to replica [\d.]+ ms, to core [\d.]+ ms, queue [\d.]+ ms, "
+        r"engine ttft [\d.]+ ms, ttft [\d.]+ ms, e2e [\d.]+ ms"
     )
     logs = f"{server.session_dir}/logs/serve"
     deadline = time.monotonic() + 5
