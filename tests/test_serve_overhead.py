@@ -252,3 +252,35 @@ def test_serve_client_think_time_paces_each_user(tmp_path) -> None:
     assert prompts and all(p in first for p in prompts)  # each user's requests: the same stream
     with pytest.raises(ValueError, match="--think-time"):
         serve_client.think_seconds(serve_client.random.Random(0), -1.0)
+
+
+def test_request_waits_bins_log_lines_by_arrival(tmp_path) -> None:
+    """benchmarks.request_waits: arrival = the line's stamp less its e2e; each leg is the difference of two
+    stamps; bins hold the requests that arrived in them; lines with a "-" are left out; gzip reads too."""
+    import gzip
+
+    from benchmarks.request_waits import binned, parse, read
+
+    def line(stamp: str, ingress, replica, core, queue, ttft, e2e) -> str:
+        return (
+            f"INFO 2026-11-28 {stamp} minserve_EngineDeployment x -- request r-0 length: prompt 5, "
+            f"completion 3, cached 0 tokens; in ingress {ingress} ms, to replica {replica} ms, "
+            f"to core {core} ms, queue {queue} ms, engine ttft 1.0 ms, ttft {ttft} ms, e2e {e2e} ms\n"
+        )
+
+    text = (
+        line("10:00:01,000", 0.5, 700.5, 704.5, 710.5, 730.5, 1000.0)  # arrived 10:00:00.000
+        + line("10:00:01,150", 0.5, 500.5, 505.5, 600.5, 620.5, 1100.0)  # arrived 10:00:00.050
+        + line("10:00:01,500", 0.5, 10.5, 12.5, 13.5, 30.5, 1000.0)  # arrived 10:00:00.500
+        + line("10:00:01,600", 0.5, "-", 12.5, 13.5, 30.5, 1000.0)  # never reached the replica: left out
+    )
+    path = tmp_path / "replica.log.gz"
+    with gzip.open(path, "wt") as f:
+        f.write(text)
+    rows = parse(read(path))
+    assert [round(r.arrival % 60, 3) for r in rows] == [0.0, 0.05, 0.5]
+    assert (rows[0].hop, rows[0].replica, rows[0].core_wait, rows[0].prefill) == (700.0, 4.0, 6.0, 20.0)
+    bins = binned(rows, 0.2)
+    assert [(b["t"], b["n"]) for b in bins] == [(0.0, 2), (0.4, 1)]
+    assert bins[0]["hop"] == (700.0 + 500.0) / 2 and bins[0]["core wait"] == (6.0 + 95.0) / 2
+    assert binned(rows, 0.2, start=0.3) == bins[1:]
