@@ -15,7 +15,9 @@ null: per variant and user count, the same stack with `args.null_core_step_ms: X
 proc_cpu samples the server's session and the client while a client runs (CPU% by role). A window at N
 users uses seed 1000 x --seed + N in twin and client alike (the same requests; no window reuses another's
 prompts, so the prefix cache cannot help); warm-ups use offline_twin.WARMUP_SEED. --serve-env NAME=K=V[,..]
-adds a variant with extra environment for `serve run` ("default": the project's own). Ray always starts a
+adds a variant with extra environment for `serve run` ("default": the project's own). --rounds N
+measures every variant N times in alternating order (NAME#1, NAME#2, ...; the report adds each
+variant's median and range): single served runs at 256 users vary by about a quarter. Ray always starts a
 cluster of its own (RAY_ADDRESS=local). Writes OUT/serve_overhead.{json,md} after every run, and
 OUT/runs/<run>/ (summaries, serve configs, serve.log).
 GPU busy (benchmarks/gpu_busy.py), in every measured served and null window: the engine core's kernel
@@ -240,6 +242,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--port", type=int, default=8000)
     add("--ready-timeout", type=float, default=300.0, help="seconds for `serve run` to answer")
     add("--serve-env", action="append", default=[], metavar="NAME=K=V[,K=V]", help="a variant (repeatable)")
+    add("--rounds", type=int, default=1, help="measure every variant this many times, alternating the order")
     add("--skip", default="", help="comma-separated: offline, served, null")
     add("--null-step-ms", type=float, default=None, help="the null core's step (default: from the twin)")
     add("--profile", type=float, default=0.0, help="py-spy seconds in each server's first window (0: off)")
@@ -255,6 +258,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--out", type=Path, default=ROOT / "benchmarks" / "reports" / "serve_overhead")
     args = p.parse_args(argv)
     args.users = [int(u) for u in args.users.split(",") if u.strip()]
+    if args.rounds < 1:
+        p.error(f"--rounds {args.rounds}: give 1 or more")
     args.skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     if args.tp > 1 and not {"offline", "null"} <= args.skip:
         p.error("--tp > 1 measures the served engine only: add --skip offline,null")
@@ -282,9 +287,20 @@ def main(argv: list[str] | None = None) -> None:
         for tree in trees:
             row = {"variant": "-", "stack": "offline", "users": n, "tree": tree.name}
             attempt(args, report, row, lambda n=n, t=tree: run_offline(args, ctx, n, t))
-    for variant, venv in args.variants.items():
+    for variant, venv in rounds(args.variants, args.rounds):
         run_variant(args, ctx, report, variant, venv)
     save(args, report, final=True)
+
+
+def rounds(variants: dict[str, dict], n: int) -> list[tuple[str, dict]]:
+    """(name, settings) in the order to measure them: with n > 1 every variant n times, named NAME#R,
+    each round in the reverse order of the one before, so no variant always runs first or last on a host
+    that warms up or wears down over the call."""
+    if n == 1:
+        return list(variants.items())
+    order = list(variants.items())
+    each = [order if r % 2 == 0 else order[::-1] for r in range(n)]
+    return [(f"{name}#{r + 1}", venv) for r, names in enumerate(each) for name, venv in names]
 
 
 if __name__ == "__main__":

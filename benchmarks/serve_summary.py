@@ -12,6 +12,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import statistics
 from pathlib import Path
 
 from benchmarks.ab_report import serve_ab_markdown
@@ -199,6 +200,27 @@ def _latency_table(runs: list[dict]) -> list[str]:
     return lines
 
 
+def rounds_table(runs: list[dict]) -> list[str]:
+    """With --rounds: per (tree, variant, stack, users), the median and the range over the rounds
+    (variants named NAME#R) of out tok/s and TTFT p50; empty without rounds."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in runs:
+        name, sep, _ = r["variant"].partition("#")
+        if sep and "summary" in r:
+            groups.setdefault((r.get("tree", "new"), name, r["stack"], r["users"]), []).append(r)
+    if not groups:
+        return []
+    head = "| tree | variant | stack | users | rounds | out tok/s | TTFT p50 |"
+    lines = ["", "### Over rounds (median, min-max)", "", head, "|---|---|---|---|---|---|---|"]
+    for (tree, name, stack, users), rs in groups.items():
+        cells = []
+        for key, q, d in (("output_tok_s", None, 0), ("ttft_ms", "p50", 1)):
+            v = sorted(x for x in (_metric(r, key, q) for r in rs) if x is not None)
+            cells.append(f"{_f(statistics.median(v), d)} ({_f(v[0], d)}-{_f(v[-1], d)})" if v else "-")
+        lines.append(f"| {tree} | {name} | {stack} | {users} | {len(rs)} | {cells[0]} | {cells[1]} |")
+    return lines
+
+
 def overhead_markdown(report: dict) -> str:
     """serve_overhead's table: one row per (variant, stack, users), then the acceptance lines."""
     runs, host = report.get("runs", []), report.get("host") or {}
@@ -219,7 +241,7 @@ def overhead_markdown(report: dict) -> str:
              "window's samples", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]  # fmt: skip
     lines += [_overhead_row(r, offline, trees) for r in runs]
-    lines += serve_ab_markdown(report) + _busy_notes(runs) + _latency_table(runs)
+    lines += serve_ab_markdown(report) + _busy_notes(runs) + _latency_table(runs) + rounds_table(runs)
     lines += ["", "### Acceptance", ""]
     if not report.get("acceptance"):
         at = ", ".join(str(u) for u, _ in OVERHEAD_TARGETS)

@@ -284,3 +284,28 @@ def test_request_waits_bins_log_lines_by_arrival(tmp_path) -> None:
     assert [(b["t"], b["n"]) for b in bins] == [(0.0, 2), (0.4, 1)]
     assert bins[0]["hop"] == (700.0 + 500.0) / 2 and bins[0]["core wait"] == (6.0 + 95.0) / 2
     assert binned(rows, 0.2, start=0.3) == bins[1:]
+
+
+def test_rounds_alternate_the_order_and_the_table_takes_each_variant_over_them() -> None:
+    """--rounds: every variant N times, each round reversed from the one before; the report's rounds table
+    gives each variant's median and range over its rounds, against a hand recompute."""
+    from benchmarks.serve_overhead import parse_args, rounds
+    from benchmarks.serve_summary import rounds_table
+
+    variants = {"default": {}, "nocache": {"X": "0"}}
+    assert rounds(variants, 1) == [("default", {}), ("nocache", {"X": "0"})]
+    assert [name for name, _ in rounds(variants, 3)] == [
+        "default#1", "nocache#1", "nocache#2", "default#2", "default#3", "nocache#3"
+    ]  # fmt: skip
+    runs = [
+        {"variant": f"{v}#{i}", "stack": "served", "users": 256, "tree": "new",
+         "summary": {"output_tok_s": tok, "ttft_ms": {"p50": ttft}}}
+        for v, i, tok, ttft in [("default", 1, 100.0, 500.0), ("default", 2, 300.0, 400.0),
+                                ("default", 3, 200.0, 450.0), ("nocache", 1, 150.0, 280.0)]
+    ]  # fmt: skip
+    table = rounds_table(runs + [{"variant": "default", "stack": "served", "users": 64, "summary": {}}])
+    assert table[-2] == "| new | default | served | 256 | 3 | 200 (100-300) | 450.0 (400.0-500.0) |"
+    assert table[-1] == "| new | nocache | served | 256 | 1 | 150 (150-150) | 280.0 (280.0-280.0) |"
+    assert rounds_table(runs[:0]) == []
+    with pytest.raises(SystemExit):
+        parse_args(["--rounds", "0"])
