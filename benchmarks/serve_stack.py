@@ -226,9 +226,34 @@ LATENCY_KEYS = (
 )  # fmt: skip
 
 
-def replica_log_marks(logs: Path = SERVE_LOGS) -> dict[Path, int]:
-    """The size of every engine replica log now: a measured window's lines are the ones after it."""
-    return {p: p.stat().st_size for p in logs.glob("replica_*EngineDeployment*.log")}
+def replica_log_marks(
+    logs: Path = SERVE_LOGS, pattern: str = "replica_*EngineDeployment*.log"
+) -> dict[Path, int]:
+    """The size of every engine replica log now (with `pattern`: of those Serve logs): a measured
+    window's lines are the ones after it."""
+    return {p: p.stat().st_size for p in logs.glob(pattern)}
+
+
+# Serve's own warnings that a call was held or refused, as its router (in the ingress) and replicas log them
+SERVE_WARNINGS = {
+    "probe_timeouts": "Failed to get queue length",  # a replica's queue length came too late: backoff
+    "route_retries": "Failed to route request",  # a call still unrouted after 50 attempts (every 50th)
+    "rejections": "rejecting request",  # a replica at max_ongoing_requests turned a call away
+}
+
+
+def serve_warnings(marks: dict[Path, int], logs: Path = SERVE_LOGS) -> dict[str, int]:
+    """SERVE_WARNINGS -> how many such lines every Serve log (`replica_log_marks(pattern="*.log")`) got
+    since `marks`. A lower bound: in throughput mode Serve buffers up to 1000 records a process, and the
+    ingress, unlike the engine replica, does not flush its buffer every second."""
+    counts = dict.fromkeys(SERVE_WARNINGS, 0)
+    for path in logs.glob("*.log"):
+        with open(path, "rb") as f:
+            f.seek(marks.get(path, 0))
+            text = f.read().decode(errors="replace")
+        for key, needle in SERVE_WARNINGS.items():
+            counts[key] += text.count(needle)
+    return counts
 
 
 def replica_log_values(marks: dict[Path, int], logs: Path = SERVE_LOGS) -> dict[str, list[float]]:

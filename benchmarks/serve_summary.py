@@ -200,6 +200,18 @@ def _latency_table(runs: list[dict]) -> list[str]:
     return lines
 
 
+def warning_lines(runs: list[dict]) -> list[str]:
+    """Serve's warnings that held or refused calls (serve_stack.SERVE_WARNINGS), per window that had any."""
+    rows = [(r, w) for r in runs if (w := r.get("serve_warnings")) and any(w.values())]
+    if not rows:
+        return []
+    lines = ["", "### Serve's warnings in the window (router probe timeouts, unrouted calls, rejections)", ""]
+    for r, w in rows:
+        counts = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in w.items())
+        lines.append(f"- {r.get('tree', 'new')} {r['variant']} {r['stack']} {r['users']} users: {counts}")
+    return lines
+
+
 def rounds_table(runs: list[dict]) -> list[str]:
     """With --rounds: per (tree, variant, stack, users), the median and the range over the rounds
     (variants named NAME#R) of out tok/s and TTFT p50; empty without rounds."""
@@ -242,6 +254,7 @@ def overhead_markdown(report: dict) -> str:
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]  # fmt: skip
     lines += [_overhead_row(r, offline, trees) for r in runs]
     lines += serve_ab_markdown(report) + _busy_notes(runs) + _latency_table(runs) + rounds_table(runs)
+    lines += warning_lines(runs)
     lines += ["", "### Acceptance", ""]
     if not report.get("acceptance"):
         at = ", ".join(str(u) for u, _ in OVERHEAD_TARGETS)

@@ -309,3 +309,31 @@ def test_rounds_alternate_the_order_and_the_table_takes_each_variant_over_them()
     assert rounds_table(runs[:0]) == []
     with pytest.raises(SystemExit):
         parse_args(["--rounds", "0"])
+
+
+def test_serve_warnings_count_the_lines_after_the_marks(tmp_path) -> None:
+    """Serve's router and replica warnings are counted in every Serve log, only past the window's marks,
+    and listed for the windows that had any."""
+    from benchmarks.serve_stack import replica_log_marks, serve_warnings
+    from benchmarks.serve_summary import warning_lines
+
+    ingress, replica = (
+        tmp_path / "replica_minserve_Ingress_a.log",
+        tmp_path / "replica_minserve_EngineDeployment_b.log",
+    )
+    ingress.write_text("WARNING Failed to get queue length from R within 0.1s.\n")
+    replica.write_text("")
+    marks = replica_log_marks(tmp_path, pattern="*.log")
+    with ingress.open("a") as f:
+        f.write("WARNING Failed to get queue length from R within 0.2s.\nINFO routed\n" * 2)
+        f.write("WARNING Failed to route request after 50 attempts over 3.00s. Retrying.\n")
+    replica.write_text("WARNING Replica at capacity of max_ongoing_requests=8, rejecting request x.\n")
+    counts = serve_warnings(marks, tmp_path)
+    assert counts == {"probe_timeouts": 2, "route_retries": 1, "rejections": 1}
+    quiet = dict.fromkeys(counts, 0)
+    runs = [{"variant": "default", "stack": "served", "users": 256, "serve_warnings": counts},
+            {"variant": "nocache", "stack": "served", "users": 256, "serve_warnings": quiet}]  # fmt: skip
+    assert warning_lines(runs)[-1] == (
+        "- new default served 256 users: probe timeouts 2, route retries 1, rejections 1"
+    )
+    assert warning_lines(runs[1:]) == []
