@@ -118,8 +118,7 @@ class EngineDeployment:
         queue and e2e histograms. echo: the accepted item carries the prompt's tokens (app/prompts.py).
         prefix_hashes: the routing key, read by app/router.py only. lora_request: the adapter named in
         the request's `model` (the call's multiplexed model id is its name). prompt_ids: the accepted
-        item carries the prompt's token ids (return_token_ids). sent_time: when the ingress made this call
-        (time.time()), for the log line."""
+        item carries the prompt's token ids (return_token_ids). sent_time: when the ingress made the call."""
         received = time.time()
         if self._early_aborts.take(request_id):
             return  # the ingress gave up on it before it came: nobody reads this stream

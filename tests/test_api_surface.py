@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 
 import httpx
 import openai
@@ -206,7 +207,10 @@ def test_the_ingress_arrival_time_reaches_the_replica_call():
             return Gen(args, kwargs)
 
     client = EngineClient(Handle(), 1)
+    before = time.time()
     streams = asyncio.run(client.open(["a"], SamplingParams(), "req", 1234.5, True))
+    sent = calls[0][1].pop("sent_time")  # when the ingress made the call, for the replica's log line
+    assert before <= sent <= time.time()
     assert calls == [(("a", SamplingParams()), {"request_id": "req-0", "arrival_time": 1234.5, "echo": True})]
     assert streams[0].accepted["prompt_tokens"] == 3
 
