@@ -25,10 +25,10 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-_LINE = re.compile(
-    r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*?in ingress (\S+) ms, to replica (\S+) ms, to core (\S+) ms, "
-    r"queue (\S+) ms, engine ttft \S+ ms, ttft (\S+) ms, e2e (\S+) ms"
-)
+from benchmarks.serve_stack import LATENCY_KEYS, LATENCY_LINE
+
+_STAMP = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")  # the log record's time
+_LEGS = ("in_ingress_ms", "to_replica_ms", "to_core_ms", "queue_ms", "replica_ttft_ms", "replica_e2e_ms")
 COLUMNS = ("hop", "replica", "core wait", "prefill")
 
 
@@ -44,11 +44,16 @@ class Waits:
 def parse(text: str) -> list[Waits]:
     """The requests of log `text` whose every stamp is present, in order of arrival."""
     rows = []
-    for m in _LINE.finditer(text):
-        if "-" in m.groups()[1:]:
-            continue  # a request that never reached some point (cancelled, failed)
-        stamp = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
-        ingress, replica, core, queue, ttft, e2e = (float(x) for x in m.groups()[1:])
+    for line in text.splitlines():
+        stamp, m = _STAMP.search(line), LATENCY_LINE.search(line)
+        if stamp is None or m is None:
+            continue
+        fields = dict(zip(LATENCY_KEYS, m.groups(), strict=True))
+        cells = [fields[k] for k in _LEGS]
+        if any(c in (None, "-") for c in cells):
+            continue  # a request that never reached some point (cancelled, failed), or an older tree's line
+        ingress, replica, core, queue, ttft, e2e = (float(c) for c in cells)
+        stamp = datetime.strptime(stamp.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
         rows.append(Waits(stamp - e2e / 1000, replica - ingress, core - replica, queue - core, ttft - queue))
     return sorted(rows, key=lambda w: w.arrival)
 

@@ -106,7 +106,7 @@ def run_client(args, server: Server, users: int, seed: int, duration: float, nam
     out, log_path = server.run_dir / name, server.run_dir / f"{name}.log"
     cmd = [PY, "-m", "benchmarks.serve_client", "--host", server.url, "--out", str(out),
            *_load_args(args, users, seed, duration)]  # fmt: skip
-    marks, all_marks = replica_log_marks(), replica_log_marks(pattern="*.log")
+    marks = replica_log_marks(pattern="*.log")  # every Serve log: the replica's lines and Serve's warnings
     probe = busy_probe(args, server).start() if name != "warmup" else None
     with open(log_path, "w") as f:
         client = subprocess.Popen(cmd, cwd=ROOT, env=server.client_env, stdout=f, stderr=subprocess.STDOUT)
@@ -128,7 +128,7 @@ def run_client(args, server: Server, users: int, seed: int, duration: float, nam
     cpu["processes"] = cpu["processes"][:20]
     time.sleep(1.5)  # the replica writes its buffered log lines once a second
     return {"summary": json.loads((out / "summary.json").read_text()), "latency": replica_latencies(marks),
-            "serve_warnings": serve_warnings(all_marks),
+            "serve_warnings": serve_warnings(marks),
             "cpu": {r: v["cpu_pct"] for r, v in cpu["roles"].items()}, "cpu_detail": cpu,
             **({"gpu_busy": gpu} if gpu else {})}  # fmt: skip
 

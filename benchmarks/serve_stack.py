@@ -216,7 +216,7 @@ class Server:
 SERVE_LOGS = Path("/tmp/ray/session_latest/logs/serve")
 # the tail of app/replica_support.log_finished's line: ms from the request's arrival at the ingress
 # (older trees, as a baseline, write no "in ingress", "to replica" or "to core")
-_LATENCY = re.compile(
+LATENCY_LINE = re.compile(
     r"(?:in ingress (\S+) ms, )?(?:to replica (\S+) ms, )?(?:to core (\S+) ms, )?"
     r"queue (\S+) ms, engine ttft (\S+) ms, ttft (\S+) ms, e2e (\S+) ms"
 )
@@ -230,7 +230,8 @@ def replica_log_marks(
     logs: Path = SERVE_LOGS, pattern: str = "replica_*EngineDeployment*.log"
 ) -> dict[Path, int]:
     """The size of every engine replica log now (with `pattern`: of those Serve logs): a measured
-    window's lines are the ones after it."""
+    window's lines are the ones after it. Marks of every log (pattern "*.log") serve
+    `replica_log_values` as well as `serve_warnings`."""
     return {p: p.stat().st_size for p in logs.glob(pattern)}
 
 
@@ -248,12 +249,17 @@ def serve_warnings(marks: dict[Path, int], logs: Path = SERVE_LOGS) -> dict[str,
     ingress, unlike the engine replica, does not flush its buffer every second."""
     counts = dict.fromkeys(SERVE_WARNINGS, 0)
     for path in logs.glob("*.log"):
-        with open(path, "rb") as f:
-            f.seek(marks.get(path, 0))
-            text = f.read().decode(errors="replace")
+        text = _since(path, marks)
         for key, needle in SERVE_WARNINGS.items():
             counts[key] += text.count(needle)
     return counts
+
+
+def _since(path: Path, marks: dict[Path, int]) -> str:
+    """What log `path` got after its mark (all of it if it has none)."""
+    with open(path, "rb") as f:
+        f.seek(marks.get(path, 0))
+        return f.read().decode(errors="replace")
 
 
 def replica_log_values(marks: dict[Path, int], logs: Path = SERVE_LOGS) -> dict[str, list[float]]:
@@ -264,10 +270,7 @@ def replica_log_values(marks: dict[Path, int], logs: Path = SERVE_LOGS) -> dict[
     its first token; replica ttft: until the replica had it)."""
     values: dict[str, list[float]] = {k: [] for k in LATENCY_KEYS}
     for path in replica_log_marks(logs):
-        with open(path, "rb") as f:
-            f.seek(marks.get(path, 0))
-            text = f.read().decode(errors="replace")
-        for match in _LATENCY.finditer(text):
+        for match in LATENCY_LINE.finditer(_since(path, marks)):
             for key, cell in zip(LATENCY_KEYS, match.groups(), strict=True):
                 if cell not in (None, "-"):
                     values[key].append(float(cell))

@@ -90,13 +90,11 @@ class FusedAddNorm:
         torch.cuda.synchronize(device)
         dist.barrier()  # every rank's flags are zero before any peer can signal into them
 
-    def takes(self, rows: int, cols: int) -> bool:
-        """Whether a partial sum of `rows` x `cols` fits (in either dtype)."""
-        return rows <= self.max_rows and rows * cols <= self.slot_elems and cols % 16 == 0
-
     def fits(self, x: torch.Tensor) -> bool:
-        rows = x.numel() // x.shape[-1]
-        return self.takes(rows, x.shape[-1]) and x.dtype in self.data and x.is_contiguous()
+        """Whether partial sum `x` fits, in either dtype a slot holds."""
+        rows, cols = x.numel() // x.shape[-1], x.shape[-1]
+        small = rows <= self.max_rows and x.numel() <= self.slot_elems and cols % 16 == 0
+        return small and x.dtype in self.data and x.is_contiguous()
 
     def __call__(self, partial, residual, weight, eps, weight_offset):
         from kernels.triton_allreduce_norm import allreduce_add_rms_norm
