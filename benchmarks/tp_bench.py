@@ -154,9 +154,14 @@ def run_tp(args, tp: int, one_shot: bool, fp32_reduce: bool = False) -> dict:
 
 
 def run_job(args, tp: int, one_shot: bool, device: dict, fp32_reduce: bool = False) -> dict | None:
-    """run_tp in a child process; None (and its error on stderr) if it failed."""
+    """run_tp in a child process; None (and its error on stderr) if it failed. With --jobs-dir, a job
+    whose result is already there is not run again, and a new result stays there."""
+    name = f"tp{tp}_{'one_shot' if one_shot else 'nccl'}_{'fp32' if fp32_reduce else 'bf16'}.json"
+    kept = Path(args.jobs_dir) / name if args.jobs_dir else None
+    if kept is not None and kept.exists():
+        return json.loads(kept.read_text())
     with tempfile.TemporaryDirectory() as tmp:
-        result = Path(tmp) / "job.json"
+        result = kept or Path(tmp) / "job.json"
         cmd = [
             sys.executable,
             "-m",
@@ -284,10 +289,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--reduce", default="bf16", help="at TP > 1, partial sums to all-reduce: bf16, fp32 or both, in order"
     )
+    ap.add_argument(
+        "--jobs-dir",
+        help="keep each job's result here, skipping jobs already there: one run over calls on one host",
+    )
     ap.add_argument("--job", help=argparse.SUPPRESS)  # internal: "TP,ONE_SHOT,FP32" run in this process
     ap.add_argument("--job-out", help=argparse.SUPPRESS)
     ap.add_argument("--device-json", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.jobs_dir:
+        Path(args.jobs_dir).mkdir(parents=True, exist_ok=True)
     if args.job:
         tp, one_shot, fp32_reduce = (int(v) for v in args.job.split(","))
         run_tp(args, tp, bool(one_shot), bool(fp32_reduce))

@@ -66,6 +66,32 @@ def test_an_allreduce_table_from_another_gpu_is_not_used(tmp_path):
     assert tp_bench.allreduce_table(tmp_path / "missing.json", "NVIDIA H200") == []
 
 
+def test_a_jobs_dir_keeps_each_result_and_runs_no_job_twice(tmp_path, monkeypatch):
+    """--jobs-dir: a job's result lands there under its (tp, path, sums) name; a later run (the next call
+    on the same host) reads it back instead of running the job, and runs only the missing ones."""
+    ran = []
+
+    def fake_run(cmd, timeout):
+        job = cmd[cmd.index("--job") + 1]
+        ran.append(job)
+        out = cmd[cmd.index("--job-out") + 1]
+        with open(out, "w") as f:
+            json.dump({"job": job}, f)
+        return type("Done", (), {"returncode": 0})()
+
+    monkeypatch.setattr(tp_bench.subprocess, "run", fake_run)
+    args = tp_bench.argparse.Namespace(model="m", gpu_memory_utilization=0.8, tf_alone=1, job_timeout_s=1,
+                                       jobs_dir=str(tmp_path))  # fmt: skip
+    assert tp_bench.run_job(args, 2, True, {}, True) == {"job": "2,1,1"}
+    assert (tmp_path / "tp2_one_shot_fp32.json").exists()
+    assert tp_bench.run_job(args, 2, True, {}, True) == {"job": "2,1,1"}
+    assert tp_bench.run_job(args, 4, False, {}) == {"job": "4,0,0"}
+    assert ran == ["2,1,1", "4,0,0"]
+    args.jobs_dir = None  # without it every call runs its job and keeps nothing
+    assert tp_bench.run_job(args, 2, True, {}, True) == {"job": "2,1,1"}
+    assert ran[-1] == "2,1,1" and len(ran) == 3
+
+
 def test_the_allreduce_table_is_measured_at_the_models_message_sizes(capsys):
     """--allreduce measure: one tp_allreduce run per TP size at the step's message sizes (batch 1 and 64
     of the hidden size in bf16), whose rows then give each step's estimate; a size that fails to
