@@ -210,6 +210,7 @@ def summarize(runs: list[dict], table: list[dict], cfg: dict) -> list[dict]:
                 "pct_of_roofline": f["pct_of_roofline"],
                 "roofline_tok_s": f["roofline"]["tok_s"],
                 "step_ms_p50": f["step_ms_p50"],
+                "step_ms_p90": f.get("step_ms_p90"),  # tok/s follows the mean step: the tail shows here
                 "allreduce": step_allreduce(table, r["tp"], cfg, batch) if r["tp"] > 1 else None,
             }
         rows.append(row)
@@ -246,9 +247,9 @@ def render(report: dict) -> str:
         f"{_pct(report.get('top1_decode_tp1_alone_vs_batch'))} (decode steps, batch 1 against batch 64)",
         "",
         "| TP | all-reduce | (a) tok/s | x TP=1 | % roofline | step ms "
-        "| all-reduce ms/step (NCCL / one-shot) | (b) tok/s | x TP=1 | % roofline "
+        "| all-reduce ms/step (NCCL / one-shot) | (b) tok/s | x TP=1 | % roofline | step ms p50 / p90 "
         "| all-reduce ms/step | top-1 vs TP=1: prefill | decode, batch 64 | decode, batch 1 |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["rows"]:
         path = "-" if r["tp"] == 1 else "one-shot" if r["one_shot"] else "NCCL"
@@ -258,7 +259,8 @@ def render(report: dict) -> str:
             ar_text = "-" if ar is None else f"{_ms(ar['nccl_ms'])} / {_ms(ar['one_shot_ms'])}"
             speedup = "-" if f["speedup"] is None else f"{f['speedup']:.2f}"
             cells += [f"{f['tok_s']:,.1f}", speedup, f"{f['pct_of_roofline']:.1f}"]
-            cells += [f"{f['step_ms_p50']:.2f}"] if fig == "a" else []
+            p90 = "" if fig == "a" else f" / {_ms(f.get('step_ms_p90'))}"
+            cells += [f"{f['step_ms_p50']:.2f}{p90}"]
             cells += [ar_text]
         cells.append(_pct(r["top1_vs_tp1"]))
         cells += [_pct(r.get("top1_decode_vs_tp1")), _pct(r.get("top1_decode_alone_vs_tp1"))]

@@ -36,6 +36,11 @@ def test_speedups_and_top1_are_against_tp1_and_absent_without_it():
     md = tp_bench.render({"env": env, "device": {"copy_bw_GBps": 3000.0}, "model_name": "m", "command": "c",
                           "top1_tp1_alone_vs_batch": None, "rows": alone})  # fmt: skip
     assert "| 4 | one-shot | 70.0 | - |" in md
+    assert "| 3,000.0 | - | 50.0 | 1.00 / - |" in md  # (b): its step p50, and p90 absent in this run
+    rows = tp_bench.summarize(
+        [_run(1, 100.0, 1000.0, [[1]]) | {"b": _fig(1000.0) | {"step_ms_p90": 2.5}}], [], CFG
+    )
+    assert rows[0]["b"]["step_ms_p90"] == 2.5
 
 
 def test_decode_mode_top1_is_against_tp1_at_the_same_batch_size():
