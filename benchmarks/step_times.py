@@ -2,6 +2,7 @@
 
     python -m benchmarks.step_times --model CKPT --batch 64 --prompt 1000 --tp 2
     MINSERVE_TP_PIN=0 python -m benchmarks.step_times --model CKPT --batch 64 --tp 2   # workers unpinned
+    MINSERVE_TP_PIN=2 python -m benchmarks.step_times --model CKPT --batch 64 --tp 4   # two cores each
 
 It adds `batch` greedy requests, steps until every one is decoding, then times `--steps` calls of
 `engine.step()`. The mean and p90 show what a median hides: occasional slow steps, such as a

@@ -376,6 +376,29 @@ def test_gated_lora_mtp_matches_tp1(tiny_model_dir, tmp_path, drafts):
         assert 0.3 * stats["spec_draft_tokens"] < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]
 
 
+def test_min_serve_tp_pin_sets_how_many_whole_cores_each_worker_takes(monkeypatch):
+    """MINSERVE_TP_PIN=N: rank r's N whole cores sit N * slot(r) cores from the end of the CPU set, so
+    workers never share one; 0 leaves them unpinned. 16 CPUs as 8 cores of two hyperthreads (i, i + 8)."""
+    from engine.device import cpus
+    from engine.runner import tp_group
+
+    monkeypatch.setattr(cpus, "ALLOWED", frozenset(range(16)))
+    topology = "/sys/devices/system/cpu/cpu{}/topology/thread_siblings_list"
+    siblings = {topology.format(c): f"{c % 8},{c % 8 + 8}" for c in range(16)}
+    monkeypatch.setattr(cpus.Path, "read_text", lambda self: siblings[str(self)])
+    group = TPGroup.__new__(TPGroup)
+    group.device = torch.device("cpu")  # slot(r) = r - 1
+    assert [group._worker_cpus(r) for r in (1, 2, 3)] == [[7, 15], [6, 14], [5, 13]]  # the default, 1
+    monkeypatch.setattr(tp_group, "PIN_CORES", 2)
+    assert [group._worker_cpus(r) for r in (1, 2)] == [[6, 7, 14, 15], [4, 5, 12, 13]]
+    assert group._worker_cpus(3) is None  # 6 cores would leave rank 0's loop less than half of them
+    monkeypatch.setattr(tp_group, "PIN_CORES", 0)
+    assert group._worker_cpus(1) is None
+    monkeypatch.setenv("MINSERVE_TP_PIN", "yes")
+    with pytest.raises(ValueError, match="MINSERVE_TP_PIN='yes': give whole cores per worker"):
+        tp_group._pin_cores()
+
+
 def test_each_worker_takes_the_core_of_its_gpu_across_replicas(monkeypatch):
     """Workers are pinned one core each from the end of the CPU set, by their GPU's node-wide index:
     two TP=2 replicas on one node (GPUs 0,1 and 2,3, each seeing its own as cuda:0 and cuda:1) never

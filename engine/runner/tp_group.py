@@ -40,8 +40,19 @@ from engine.runner import tp_wire
 
 log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parents[2]
-# Each worker on a whole core of its own, away from rank 0's step loop, which wakes it every step
-PIN_WORKERS = os.environ.get("MINSERVE_TP_PIN", "1") == "1"
+
+
+def _pin_cores() -> int:
+    """MINSERVE_TP_PIN: whole cores each worker is pinned to, away from rank 0's step loop, which wakes
+    it every step (engine/device/cpus.py). Its NCCL and CUDA threads inherit them and share them with its
+    command loop. 0: unpinned."""
+    value = os.environ.get("MINSERVE_TP_PIN", "1")
+    if not value.isdigit():
+        raise ValueError(f"MINSERVE_TP_PIN={value!r}: give whole cores per worker, 1 (default); 0 unpins")
+    return int(value)
+
+
+PIN_CORES = _pin_cores()
 # NVLink multicast stays off in every process of the group: on a shared host it can take GPUs out of service.
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 TIMEOUT = timedelta(seconds=int(os.environ.get("MINSERVE_TP_TIMEOUT_S", "600")))  # start-up and collectives
@@ -130,8 +141,7 @@ class TPGroup:
         read, write = os.pipe()
         started = threading.Event()
         cmd = [sys.executable, "-m", "engine.runner.tp_worker", str(rank), str(self.shard.size), str(port)]
-        cpus = last_cores(1, skip=self._core_slot(rank)) if PIN_WORKERS else None  # engine/device/cpus.py
-        cmd += [str(os.getpid()), ",".join(map(str, cpus or []))]
+        cmd += [str(os.getpid()), ",".join(map(str, self._worker_cpus(rank) or []))]
 
         def keeper() -> None:
             try:
@@ -149,6 +159,12 @@ class TPGroup:
             raise TPWorkerError(f"could not start tensor-parallel rank {rank}")
         self.pipes[rank] = write
         self._send_to(rank, list(pickle.dumps(config)))
+
+    def _worker_cpus(self, rank: int) -> list[int] | None:
+        """The CPUs rank `rank` is pinned to (engine/device/cpus.py), or None: unpinned."""
+        if PIN_CORES <= 0:
+            return None
+        return last_cores(PIN_CORES, skip=PIN_CORES * self._core_slot(rank))
 
     def _core_slot(self, rank: int) -> int:
         """Which core from the end of the CPU set rank `rank` takes: its GPU's node-wide index, so that
