@@ -116,6 +116,25 @@ def test_fp32_reduce_rounds_the_sum_over_ranks_once_like_tp1(tiny_model_dir):
     assert (errors[True] == 0).float().mean() > (errors[False] == 0).float().mean()
 
 
+def test_a_worker_scores_its_own_forward_rows_padded_as_rank_0_pads_them(monkeypatch):
+    """OWN_LOGITS (a decode step samples every row; nothing is broadcast): the worker scores the first
+    n rows of its last forward, the last repeated up to m, exactly the rows rank 0's LM head takes
+    (ModelRunner._logits pads with the last row on a GPU). The greedy tests cover m = n on CPU."""
+    from engine.runner import tp_worker
+
+    scored, gathered = [], []
+    worker = tp_worker.Worker.__new__(tp_worker.Worker)
+    worker.shard = Shard(1, 2)
+    worker.model = type("Head", (), {"compute_logits": lambda self, h: scored.append(h.clone()) or h})()
+    worker.hidden = torch.arange(5 * 3, dtype=torch.float32).view(5, 3)  # 5 rows: a bucket of 5 > n
+    monkeypatch.setattr(tp_worker, "gather_logits", lambda local, size, vocab: gathered.append(size))
+    worker.own_logits([tp_wire.OWN_LOGITS, 3, 8])
+    rows = worker.hidden[:3]
+    assert torch.equal(scored[0], torch.cat([rows, rows[2:3].expand(5, -1)])) and gathered == [2]
+    worker.own_logits([tp_wire.OWN_LOGITS, 4, 4])
+    assert torch.equal(scored[1], worker.hidden[:4])
+
+
 def test_a_forward_header_rebuilds_the_step_rank_0_runs():
     """A mixed step padded as a graph bucket pads it: the header and two broadcast spans give the
     workers the same ids, positions and attention metadata (cache-free metadata: separate spans)."""

@@ -297,8 +297,11 @@ class ModelRunner:
         if rows != list(range(len(batch.input_ids))):  # decode steps sample every row
             index = rows + [rows[-1]] * (m - n)
             hidden = hidden.index_select(0, self.upload.values("logit_rows", index, torch.long))
-        elif m > n:
+            return self.model.compute_logits(hidden)[:n]
+        if m > n:
             hidden = torch.cat([hidden, hidden[-1:].expand(m - n, -1)])
+        if self.tp is not None:  # the forward's own rows: every rank has them, none is broadcast
+            return self.model.compute_own_logits(hidden, n)[:n]
         return self.model.compute_logits(hidden)[:n]
 
     def _fed_back(self, out: SchedulerOutput, prev: PendingSample | None) -> torch.Tensor | None:

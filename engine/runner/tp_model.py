@@ -5,7 +5,9 @@ first reaches the other ranks, which run the same computation on their shares.
 whole model. A forward sends its header (engine/runner/tp_wire.py), broadcasts the step's input
 buffers and runs; every rank then computes the same hidden rows. Its logits: rank 0 broadcasts the
 hidden rows it wants scored (whatever rows the caller picked: sampling rows, prompt-logprob rows,
-speculative positions), every rank computes its vocabulary columns, and rank 0 gathers them. Sampling
+speculative positions), every rank computes its vocabulary columns, and rank 0 gathers them. Where the
+rows are the last forward's own (a decode step samples every row), no broadcast: each rank scores its
+copy of them (`compute_own_logits`). Sampling
 stays on rank 0; so does a gated-LoRA MTP head, whose drafts reach the ranks through `embed` (each
 draft's previous token) and the logits computation.
 
@@ -57,6 +59,15 @@ class TPModel(nn.Module):
         self.group.send([tp_wire.LOGITS, hidden.shape[0]])
         with self.group.guard():
             dist.broadcast(hidden, 0)
+            return gather_logits(self.inner.compute_logits(hidden), self.group.shard.size, self.vocab_size)
+
+    def compute_own_logits(self, hidden: torch.Tensor, n: int) -> torch.Tensor:
+        """compute_logits of the last forward's first `n` hidden rows, `hidden` being them with the
+        last repeated up to its row count. Every rank holds those rows already (the last all-reduce
+        leaves each with the same bits), so nothing is broadcast: each worker pads its own alike."""
+        hidden = hidden.contiguous()
+        self.group.send([tp_wire.OWN_LOGITS, n, hidden.shape[0]])
+        with self.group.guard():
             return gather_logits(self.inner.compute_logits(hidden), self.group.shard.size, self.vocab_size)
 
     def __getattr__(self, name: str):

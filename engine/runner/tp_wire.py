@@ -22,7 +22,7 @@ import torch
 
 from engine.models.attention_context import AttentionMetadata, TokenVisibility
 
-FORWARD, LOGITS, COPY, KV, CAPTURE, REPLAY, LORA, EMBED = range(1, 9)
+FORWARD, LOGITS, COPY, KV, CAPTURE, REPLAY, LORA, EMBED, OWN_LOGITS = range(1, 10)
 # span dtype codes: the packed step's integers, and the model's float dtypes (a gated-LoRA MTP step's
 # mask-row input vectors)
 DTYPES = (torch.int64, torch.int32, torch.bfloat16, torch.float16, torch.float32, torch.float64)

@@ -48,6 +48,7 @@ class Worker:
         self.spans: dict[tuple[torch.dtype, int], torch.Tensor] = {}  # forward input buffers, reused
         self.kv_caches: list = []
         self.graphs: dict[int, object] = {}  # CUDA graph sets by kind (query length; 0: mixed)
+        self.hidden: torch.Tensor | None = None  # the last forward's output rows (real tokens first)
         self.lora = None  # multi-LoRA: this rank's adapter slots, loaded as rank 0 loads its own
         mtp = mtp_setup.mtp_source(config, self.model_config)  # a gated-LoRA MTP gate's adapter
         if config.enable_lora or mtp is not None:
@@ -65,6 +66,7 @@ class Worker:
             tp_wire.REPLAY: self.replay,
             tp_wire.LORA: self.load_lora,
             tp_wire.EMBED: self.embed,
+            tp_wire.OWN_LOGITS: self.own_logits,
         }
         _freeze_heap()
         with torch.inference_mode():
@@ -83,11 +85,20 @@ class Worker:
             dist.broadcast(span, 0)
         ids, positions, meta = tp_wire.decode_forward(header, spans)
         with attention_context(meta):
-            self.model(ids, positions)
+            self.hidden = self.model(ids, positions)
 
     def logits(self, header: list[int]) -> None:
         hidden = torch.empty((header[1], self.model_config.hidden_size), dtype=self.dtype, device=self.device)
         dist.broadcast(hidden, 0)
+        gather_logits(self.model.compute_logits(hidden), self.shard.size, None)
+
+    def own_logits(self, header: list[int]) -> None:
+        """Rank 0's compute_own_logits: the first n rows of this rank's last forward, the last row
+        repeated up to m, as rank 0 pads its own."""
+        n, m = header[1], header[2]
+        hidden = self.hidden[:n]
+        if m > n:
+            hidden = torch.cat([hidden, hidden[-1:].expand(m - n, -1)])
         gather_logits(self.model.compute_logits(hidden), self.shard.size, None)
 
     def embed(self, header: list[int]) -> None:
@@ -124,7 +135,9 @@ class Worker:
         _freeze_heap()
 
     def replay(self, header: list[int]) -> None:
-        self.graphs[header[1]].graphs[header[2]].replay()
+        graph_set = self.graphs[header[1]]
+        graph_set.graphs[header[2]].replay()
+        self.hidden = graph_set.hidden  # its first rows are the step's real tokens
 
     def load_lora(self, header: list[int]) -> None:
         slot, name, int_id, path = tp_wire.decode_lora(header)
