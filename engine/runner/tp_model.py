@@ -63,8 +63,10 @@ class TPModel(nn.Module):
 
     def compute_own_logits(self, hidden: torch.Tensor, n: int) -> torch.Tensor:
         """compute_logits of the last forward's first `n` hidden rows, `hidden` being them with the
-        last repeated up to its row count. Every rank holds those rows already (the last all-reduce
-        leaves each with the same bits), so nothing is broadcast: each worker pads its own alike."""
+        last repeated up to its row count. Every rank holds those rows already, with the same bits:
+        each all-reduce path leaves every rank the same sum (the fused kernel and PyTorch's one-shot add
+        the ranks' parts in rank order on each rank; NCCL sends one sum to all). So nothing is
+        broadcast: each worker pads its own rows alike."""
         hidden = hidden.contiguous()
         self.group.send([tp_wire.OWN_LOGITS, n, hidden.shape[0]])
         with self.group.guard():
