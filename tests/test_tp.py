@@ -91,6 +91,41 @@ def test_greedy_output_matches_tp1(tiny_model_dir, reference, tp):
     assert max(len(p) for p in rounds()[0]) > OPTIONS["max_num_batched_tokens"]  # chunked prefill ran
 
 
+def _gpu_greedy(model_dir: str, tp: int, out: str) -> None:
+    """Greedy tokens of three prompts on GPUs with CUDA graphs, and the (rows, padded rows) of each
+    OWN_LOGITS call, to `out` (a process of its own: a CUDA process runs one tensor-parallel engine)."""
+    calls = []
+    own = TPModel.compute_own_logits
+    TPModel.compute_own_logits = lambda self, hidden, n: (
+        calls.append((n, hidden.shape[0])) or own(self, hidden, n)
+    )
+    llm = LLM(
+        model_dir, tensor_parallel_size=tp, device="cuda", dtype="float32", max_num_seqs=8, num_blocks=400
+    )
+    try:
+        results = llm.generate(rounds()[0][:3], GREEDY, use_tqdm=False)
+    finally:
+        llm.engine.runner.shutdown()
+    Path(out).write_text(json.dumps({"tokens": [r.outputs[0].token_ids for r in results], "calls": calls}))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_gpu_decode_steps_score_each_ranks_own_rows_as_tp1_scores_them(tiny_model_dir, tmp_path):
+    """TP=2 on two GPUs, graphs on, float32: three sequences decode in a graph bucket of 4, so each rank
+    pads its own forward rows to the LM head's 4 (OWN_LOGITS, nothing broadcast); tokens equal TP=1's."""
+    ctx = torch.multiprocessing.get_context("spawn")
+    got = {}
+    for tp in (1, 2):
+        proc = ctx.Process(target=_gpu_greedy, args=(str(tiny_model_dir), tp, str(tmp_path / f"tp{tp}.json")))
+        proc.start()
+        proc.join(300)
+        assert proc.exitcode == 0, f"TP={tp} run failed"
+        got[tp] = json.loads((tmp_path / f"tp{tp}.json").read_text())
+    assert got[2]["tokens"] == got[1]["tokens"]
+    assert got[1]["calls"] == [] and [3, 4] in got[2]["calls"]  # decode steps of 3 rows, padded to 4
+
+
 def _prompt_logprobs(llm: LLM) -> torch.Tensor:
     sp = SamplingParams(max_tokens=0, prompt_logprobs=0, temperature=0.0)
     prompts = rounds()[0]
