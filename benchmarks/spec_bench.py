@@ -127,9 +127,13 @@ def configs(args) -> list[tuple[str, dict | None, list]]:
             out.append((f"draft {args.draft}, k={k}", cfg, alphas))
         if "mtp" in args.proposers:
             out.append((f"gated-LoRA MTP, k={k}", mtp_config(args, k), alphas))
+            label = f"gated-LoRA MTP, k={k}"
             if args.mtp_draft_vocab:
                 label = f"gated-LoRA MTP, k={k}, draft vocabulary {args.mtp_draft_vocab}"
                 out.append((label, mtp_config(args, k, vocab=True), alphas))
+            if args.mtp_fp8:  # the last MTP head above, its weights in float8
+                cfg = mtp_config(args, k, vocab=bool(args.mtp_draft_vocab), quantization="fp8")
+                out.append((f"{label}, fp8 head", cfg, alphas))
     return out
 
 
@@ -222,6 +226,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument(
         "--mtp-draft-vocab", type=int, default=0, help="also the MTP head drafting among N tokens"
+    )
+    ap.add_argument(
+        "--mtp-fp8",
+        action="store_true",
+        help="also the last MTP head with its weights in float8 (quantization)",
     )
     ap.add_argument("--out", required=True, help="PREFIX for PREFIX.json and PREFIX.md")
     args = ap.parse_args(argv)

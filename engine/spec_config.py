@@ -48,6 +48,7 @@ class SpeculativeConfig:
     disable_below_acceptance: float = 0.1  # a sequence's accepted / proposed below this stops it
     acceptance_window: int = 16  # proposed tokens of a sequence before its rate is judged
     synthetic_acceptance_rate: float | None = None  # benchmarks only: accept each proposal with this
+    quantization: str | None = None  # gated_lora_mtp: "fp8" keeps the sampler head's weights in float8
 
     @property
     def batch_limit(self) -> int | None:
@@ -94,6 +95,7 @@ class SpeculativeConfig:
         _require(isinstance(hi, int) and hi >= lo, "prompt_lookup_max", fix_hi)
         for name in ("model", "dtype", "device"):
             _require(getattr(self, name) is None, name, "only draft_model takes it; remove it for ngram")
+        _require(self.quantization is None, "quantization", "only gated_lora_mtp takes it; remove it")
 
     def _check_draft_model(self) -> None:
         _require(
@@ -109,6 +111,7 @@ class SpeculativeConfig:
         dev = self.device
         ok_device = dev is None or dev in ("auto", "cpu", "cuda") or dev.startswith("cuda:")
         _require(ok_device, "device", f"got {dev!r}; use None (follow the target), auto, cpu, cuda or cuda:N")
+        _require(self.quantization is None, "quantization", "only gated_lora_mtp takes it; remove it")
 
     def _check_mtp(self) -> None:
         k = self.num_speculative_tokens
@@ -120,6 +123,8 @@ class SpeculativeConfig:
             "the gated_lora_mtp method needs it; give the path of a local directory holding the gated LoRA "
             "and the MTP head (adapter_config.json, mtp_config.json, ...)",
         )
+        q = self.quantization
+        _require(q in (None, "fp8"), "quantization", f"got {q!r}; use None (the model's dtype) or 'fp8'")
         for name in ("dtype", "device"):
             why = "gated_lora_mtp runs inside the target model and follows its dtype and device; remove it"
             _require(getattr(self, name) is None, name, why)

@@ -74,6 +74,30 @@ def test_mtp_steps_give_plain_greedy_text(tiny_model_dir, tmp_path, plain, eager
     assert bool(replays) == (not eager) and bool(drafted) == (not eager) and all(drafted)
 
 
+def test_an_fp8_head_drafts_in_its_graphs_as_eagerly_and_keeps_plain_text(tiny_model_dir, tmp_path, plain):
+    """quantization fp8 with a draft vocabulary: the float8 GEMVs of the head run inside the captured
+    drafting, which gives the eager drafting's tokens; the text is plain decoding's."""
+    vocab = 512  # of the tiny model's 2048 tokens
+    head = write_mtp_dir(tmp_path / "mtp", tiny_model_dir, num_mask_tokens=K, rank=8, draft_vocab_size=vocab)
+    spec = {"method": "gated_lora_mtp", "num_speculative_tokens": K, "model": str(head),
+            "disable_below_acceptance": 0.0, "quantization": "fp8"}  # fmt: skip
+    llm = LLM(str(tiny_model_dir), dtype="float32", device="cuda", max_num_seqs=16, num_blocks=400,
+              speculative_config=spec)  # fmt: skip
+    step, drafted = llm.engine.runner.mtp, []
+    assert llm.engine.runner.mtp_head.draft_weight.dtype == torch.float8_e4m3fn
+    draft_run = step.draft_graphs.run
+
+    def draft_replay(n, accepted, bonus):
+        got = draft_run(n, accepted, bonus)
+        first = step.draft_graphs.first[:n]
+        drafted.append(torch.equal(got, step.drafts(step.graphs.hidden, first, accepted, bonus)))
+        return got
+
+    step.draft_graphs.run = draft_replay
+    assert _run(llm) == plain
+    assert drafted and all(drafted)
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_mtp_under_tensor_parallelism_gives_plain_greedy_text(tiny_model_dir, tmp_path, plain):
     """One engine (a CUDA process runs one tensor-parallel engine, engine/runner/tp_group.close): the

@@ -20,9 +20,11 @@ def test_valid_configs_keep_their_values():
     mtp = SpeculativeConfig.from_dict(
         {"method": "gated_lora_mtp", "num_speculative_tokens": 8, "model": "/mtp"}
     )
-    assert (mtp.method, mtp.num_speculative_tokens, mtp.model, mtp.dtype, mtp.device) == (
-        "gated_lora_mtp", 8, "/mtp", None, None,
+    assert (mtp.method, mtp.num_speculative_tokens, mtp.model, mtp.dtype, mtp.device, mtp.quantization) == (
+        "gated_lora_mtp", 8, "/mtp", None, None, None,
     )  # fmt: skip
+    d = {"method": "gated_lora_mtp", "num_speculative_tokens": 4, "model": "/mtp", "quantization": "fp8"}
+    assert SpeculativeConfig.from_dict(d).quantization == "fp8"
 
 
 @pytest.mark.parametrize(
@@ -52,6 +54,11 @@ def test_valid_configs_keep_their_values():
          "prompt_lookup_max"),
         ({"method": "gated_lora_mtp", "num_speculative_tokens": 2, "model": "/m", "prompt_lookup_min": 2},
          "prompt_lookup_min"),
+        ({"method": "gated_lora_mtp", "num_speculative_tokens": 2, "model": "/m", "quantization": "int4"},
+         "quantization"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "quantization": "fp8"}, "quantization"),
+        ({"method": "draft_model", "num_speculative_tokens": 2, "model": "/c", "quantization": "fp8"},
+         "quantization"),
     ],
 )  # fmt: skip
 def test_bad_configs_name_the_field(d, field):
@@ -64,6 +71,10 @@ def test_gated_lora_mtp_messages_give_the_fix():
         ({"num_speculative_tokens": 9, "model": "/m"}, r"num_speculative_tokens: got 9; .*at most 8.*1\.\.8"),
         ({"num_speculative_tokens": 2}, r"model: the gated_lora_mtp method needs it; give the path"),
         ({"num_speculative_tokens": 2, "model": "/m", "dtype": "float16"}, r"dtype: .*follows its dtype"),
+        (
+            {"num_speculative_tokens": 2, "model": "/m", "quantization": "int8"},
+            r"quantization: got 'int8'; .*'fp8'",
+        ),
     ]
     for d, message in cases:
         with pytest.raises(ValueError, match=rf"^speculative_config\.{message}"):

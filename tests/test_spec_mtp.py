@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 
@@ -188,10 +189,13 @@ def reference_drafts(model, head, slot: int, tokens: list[int], bonus: int) -> l
     return out
 
 
-@pytest.mark.parametrize("head", ["whole vocabulary", "draft vocabulary"])
+@pytest.mark.parametrize("head", ["whole vocabulary", "draft vocabulary", "draft vocabulary, fp8"])
 def test_drafts_equal_a_causal_recompute(tiny_model_dir, mtp_dir, vocab_dir, head):
-    path = vocab_dir if head == "draft vocabulary" else mtp_dir
-    llm = make_llm(tiny_model_dir, mtp(path, disable_below_acceptance=0.0), block_size=4)
+    path = vocab_dir if head.startswith("draft vocabulary") else mtp_dir
+    quantization = "fp8" if head.endswith("fp8") else None
+    llm = make_llm(
+        tiny_model_dir, mtp(path, disable_below_acceptance=0.0, quantization=quantization), block_size=4
+    )
     runner, checked = llm.engine.runner, []
     ids = runner.mtp_head.draft_token_ids
     assert (ids is None) == (head == "whole vocabulary") and (runner.mtp_head.draft_weight is None) == (
@@ -225,12 +229,45 @@ def test_drafts_equal_a_causal_recompute(tiny_model_dir, mtp_dir, vocab_dir, hea
         assert set(t for row in checked for t in row) <= set(ids.tolist())
 
 
-def test_a_draft_vocabulary_keeps_greedy_output(tiny_model_dir, vocab_dir, plain_runs):
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_a_draft_vocabulary_keeps_greedy_output(tiny_model_dir, vocab_dir, plain_runs, quantization):
     prompts, params, plain, _ = plain_runs
-    llm = make_llm(tiny_model_dir, mtp(vocab_dir, disable_below_acceptance=0.0), **SCENARIOS["preempt"])
+    spec = mtp(vocab_dir, disable_below_acceptance=0.0, quantization=quantization)
+    llm = make_llm(tiny_model_dir, spec, **SCENARIOS["preempt"])
+    assert (llm.engine.runner.mtp_head.draft_weight.dtype == torch.float8_e4m3fn) == (quantization == "fp8")
     assert generate(llm, prompts, params) == plain["preempt"]
     stats = llm.engine.get_stats()
     assert stats["spec_verify_rows"] > 0 and stats["num_preemptions"] > 0
+
+
+def test_an_fp8_head_computes_with_its_dequantized_weights(tiny_model_dir, vocab_dir):
+    """quantization "fp8": fc1, fc2 and the draft rows in float8, one scale per row. The head's scores
+    equal the same head's computed in float with the dequantized weights (q * scale), and lie within
+    float8's rounding of the unquantized head's."""
+    runner = make_llm(tiny_model_dir, mtp(vocab_dir)).engine.runner
+    head = runner.mtp_head
+    fp8, deq = copy.deepcopy(head), copy.deepcopy(head)
+    fp8.quantize_fp8()
+    assert set(fp8.fp8) == {"fc1", "fc2", "draft"} and fp8.draft_weight.dtype == torch.float8_e4m3fn
+    for name, module in (("fc1", deq.sampler.fc1), ("fc2", deq.sampler.fc2)):
+        q, scale = fp8.fp8[name]
+        module.weight.data = (q.float() * scale[:, None]).to(module.weight.dtype)
+    q, scale = fp8.fp8["draft"]
+    deq.draft_weight = (q.float() * scale[:, None]).to(head.draft_weight.dtype)
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(6, head.mask_embeddings.shape[1], generator=gen, dtype=head.draft_weight.dtype)
+    prev = torch.randint(0, runner.model_config.vocab_size, (6,), generator=gen)
+
+    def scores(h, weight):
+        return h._linear(h._state(hidden, prev, runner.model.embed), "draft", weight)
+
+    got, want, exact = (
+        scores(fp8, fp8.draft_weight),
+        scores(deq, deq.draft_weight),
+        scores(head, head.draft_weight),
+    )
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-5)
+    assert 1e-4 < float((got - exact).norm() / exact.norm()) < 0.1
 
 
 @pytest.fixture(scope="module")
@@ -333,3 +370,22 @@ def test_beside_lora_adapters_and_the_host_tier(tiny_model_dir, mtp_dir, tmp_pat
             outs.append([r.outputs[0].token_ids for r in llm.generate(prompts, params, lora_request=loras)])
         assert outs[0] == outs[1] and llm.engine.get_stats()["spec_verify_rows"] > 0
         assert seen == ({"a1", None} if loras else {None})
+
+
+def test_spec_bench_adds_the_fp8_head_beside_the_last_mtp_head():
+    """spec_bench --mtp-fp8: one more engine, the last MTP head (the draft-vocabulary one when there is
+    one) with quantization fp8; without the flag, none."""
+    import argparse
+
+    from benchmarks import spec_bench
+
+    args = argparse.Namespace(proposers=["mtp"], ks=[4], alphas=[0.7], mtp_dir="/m", mtp_vocab_dir="/v",
+                              mtp_draft_vocab=32000, mtp_fp8=True)  # fmt: skip
+    rows = {label: cfg for label, cfg, _ in spec_bench.configs(args)}
+    fp8 = rows["gated-LoRA MTP, k=4, draft vocabulary 32000, fp8 head"]
+    assert (fp8["model"], fp8["quantization"]) == ("/v", "fp8")
+    assert "quantization" not in rows["gated-LoRA MTP, k=4, draft vocabulary 32000"]
+    args.mtp_draft_vocab, args.mtp_fp8 = 0, False
+    assert [label for label, _, _ in spec_bench.configs(args)] == ["plain", "gated-LoRA MTP, k=4"]
+    args.mtp_fp8 = True
+    assert spec_bench.configs(args)[-1][1]["model"] == "/m"

@@ -38,6 +38,8 @@ def load_head(config: EngineConfig, model, model_config, dtype: torch.dtype, dev
         head.bind_logits_weight(model.logits_weight())
     elif head.draft_token_ids is not None:
         log.info("gated_lora_mtp: drafting over the whole vocabulary (rank 0 holds a share of the LM head)")
+    if spec.quantization == "fp8":
+        head.quantize_fp8()
     return head
 
 

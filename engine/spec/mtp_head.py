@@ -45,6 +45,7 @@ from engine.errors import LoRAError
 from engine.lora.adapter import FLOAT_DTYPES, AdapterSpec, ModuleShapes, check_adapter
 from engine.lora.request import LoRARequest
 from engine.lora.weights import AdapterWeights, load_adapter
+from engine.models.quant_loader import quantize_fp8_rows
 from kernels import ops
 
 FORMAT = "minserve-gated-lora-mtp"
@@ -109,12 +110,29 @@ class MtpHead(nn.Module):
         ids = torch.empty(draft_vocab_size, dtype=torch.long) if draft_vocab_size else None
         self.register_buffer(DRAFT_IDS, ids)
         self.draft_weight: torch.Tensor | None = None
+        self.fp8: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # quantize_fp8: (qweight, scale) by use
 
     def bind_logits_weight(self, weight: torch.Tensor) -> None:
         """Keep the draft vocabulary's rows of the target's LM head `weight` [V, H] (a copy of N rows);
         without a draft vocabulary, nothing: drafts then come from the target's compute_logits."""
         if self.draft_token_ids is not None:
             self.draft_weight = weight.index_select(0, self.draft_token_ids).contiguous()
+
+    def quantize_fp8(self) -> None:
+        """speculative_config.quantization "fp8": fc1, fc2 and the bound draft rows in float8 with one
+        scale per row, so the head's k passes a step read about half the bytes. Drafts may change a
+        little; the output never does (verification). Call after bind_logits_weight."""
+        weights = {"fc1": self.sampler.fc1.weight, "fc2": self.sampler.fc2.weight, "draft": self.draft_weight}
+        self.fp8 = {name: quantize_fp8_rows(w) for name, w in weights.items() if w is not None}
+        if self.draft_weight is not None:
+            self.draft_weight = self.fp8["draft"][0]  # the model-dtype copy of N LM-head rows is freed
+
+    def _linear(self, x: torch.Tensor, name: str, weight: torch.Tensor) -> torch.Tensor:
+        """x @ weight^T, through its float8 copy after quantize_fp8."""
+        if name not in self.fp8:
+            return ops.linear(x, weight)
+        qweight, scale = self.fp8[name]
+        return ops.quant_linear(x, qweight, scale, None, None, "channel", None)
 
     def mask_embedding(self, index: torch.Tensor) -> torch.Tensor:
         """The input vectors [..., H] of mask positions m_{index + 1} (index: 0-based, < num_mask_tokens)."""
@@ -135,9 +153,9 @@ class MtpHead(nn.Module):
     def _state(self, hidden: torch.Tensor, prev_ids: torch.Tensor, embed: Callable) -> torch.Tensor:
         """The sampler's output [N, H], normalised: what the LM head scores."""
         e = embed(prev_ids).to(hidden.dtype)
-        up = ops.linear(torch.cat([hidden, e], dim=-1), self.sampler.fc1.weight)
+        up = self._linear(torch.cat([hidden, e], dim=-1), "fc1", self.sampler.fc1.weight)
         # silu alone has no kernel of its own: elementwise over [N, H], torch's is as fast
-        z = hidden + ops.linear(F.silu(up), self.sampler.fc2.weight)
+        z = hidden + self._linear(F.silu(up), "fc2", self.sampler.fc2.weight)
         return ops.rms_norm(z, self.sampler.norm.weight, self.eps)
 
     def draft(
@@ -151,7 +169,7 @@ class MtpHead(nn.Module):
         vocabulary when one is bound (the LM head's rows alone: a softcap is monotonic, so it is left out)."""
         if self.draft_weight is None:
             return ops.argmax(self.draft_logits(hidden, prev_ids, embed, compute_logits))
-        scores = ops.linear(self._state(hidden, prev_ids, embed), self.draft_weight)
+        scores = self._linear(self._state(hidden, prev_ids, embed), "draft", self.draft_weight)
         return self.draft_token_ids.index_select(0, ops.argmax(scores))
 
 
