@@ -73,6 +73,7 @@ ACROSS = {
     ("spec", "engine.lora.adapter"): "spec/mtp_head.py (gated_lora_mtp) checks its LoRA as adapters are",
     ("spec", "engine.lora.weights"): "... and reads it as adapters are read, for the runner's LoRA slots",
     ("spec", "engine.lora.request"): "... under a LoRARequest, as the host cache and the slots key adapters",
+    ("spec", "engine.models.quant_loader"): "the fp8 MTP head rounds its weights as fp8 loading does",
 }
 # The engine's public API for app/: engine/__init__.py (LLM, LLMEngine, CoreClient, SamplingParams,
 # ToolConfig, BudgetForcing, Tokenizer, prompt_block_hashes) and the top-level modules that define those
