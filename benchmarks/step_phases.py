@@ -2,6 +2,8 @@
 
     python -m benchmarks.step_phases --model llama-3.2-1b --tokenizer /tmp/gtoks/bpe128k \
         --modes none,all,none,all --runs 6 --out DIR
+    python -m benchmarks.step_phases --model CKPT --modes none --batch 64 --prompt 1000 --gen 128 \
+        --tp 4 --out DIR
 
 Each phase of `LLMEngine._step` (scheduling ahead, the deferred draw's join, the launch of the next
 step, the token append, the mask fill's start, the emit) and a few costs inside them (the fill on its
@@ -10,7 +12,9 @@ timer, then `runs` batches of greedy requests run through `engine.step()` per mo
 rows constrained, as in benchmarks/structured_bench; "all/thread" keeps the matchers on a thread of the
 engine's process instead of the matcher process, "all/process:8" a matcher process with 8 threads,
 and "all/thread@20" runs those fills with a 20 us switch
-interval instead of grammar_state.HANDOFF_SWITCH_INTERVAL_S). Per mode: mean microseconds per step of each
+interval instead of grammar_state.HANDOFF_SWITCH_INTERVAL_S). The launch is split too (the runner's
+execute, its uploads and LM head) and, with --tp, rank 0's commands to the workers, its announced graph
+replays and its logits calls. Per mode: mean microseconds per step of each
 phase, calls per step, step-time percentiles and decode tok/s. The first run of each mode is a
 warm-up. The timers cost about half a microsecond a call, so per-row phases (advance) read high.
 """
@@ -36,7 +40,7 @@ def phases() -> list[tuple[object, str]]:
     from engine import llm_engine
     from engine.device import uploader
     from engine.output import sink as token_sink
-    from engine.runner import in_flight, plain_draw
+    from engine.runner import in_flight, model_runner, plain_draw, tp_group, tp_model
     from engine.sampling import sampler
     from engine.sched import scheduler
     from engine.structured import process as grammar_process
@@ -55,7 +59,10 @@ def phases() -> list[tuple[object, str]]:
         (grammar_process.GrammarProcess, "wait"), (grammar_process.Channel, "recv"),
         (grammar_process.Channel, "send"), (plain_draw.PlainDraw, "sample"),
         (sampler.PendingSample, "resolve"), (sampler.PendingSample, "__init__"),
-        (sampler.Sampler, "__call__"), (uploader.Uploader, "values"),
+        (sampler.Sampler, "__call__"), (uploader.Uploader, "values"), (uploader.Uploader, "__call__"),
+        (model_runner.ModelRunner, "execute"), (model_runner.ModelRunner, "_logits"),
+        (tp_model.TPModel, "compute_logits"), (tp_model.TPModel, "compute_own_logits"),
+        (tp_model._AnnouncedGraph, "replay"), (tp_group.TPGroup, "send"),
     ]  # fmt: skip
 
 
@@ -153,6 +160,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--runs", type=int, default=6)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--gen", type=int, default=256)
+    ap.add_argument("--prompt", type=int, default=PROMPT, help="prompt tokens of each request")
+    ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (rank 0's host is timed)")
     ap.add_argument("--fill-threads", type=int, default=None, help="override grammar_state.FILL_THREADS")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
@@ -166,7 +175,8 @@ def main(argv: list[str] | None = None) -> None:
 
     from engine import LLM
 
-    opts = {"max_num_seqs": args.batch, "max_model_len": PROMPT + args.gen + 16}
+    opts = {"max_num_seqs": args.batch, "max_model_len": args.prompt + args.gen + 16}
+    opts["tensor_parallel_size"] = args.tp
     if not torch.cuda.is_available():
         opts.update(dtype="float32", device="cpu")
     path = checkpoint(args.model, args.ckpt_dir, args.tokenizer) if "/" not in args.model else args.model
@@ -197,7 +207,8 @@ def main(argv: list[str] | None = None) -> None:
             if i == 1:
                 timer.reset()
             sps = params(base, args.constraint, args.batch, args.gen)
-            runs.append(decode_run(llm.engine, random_prompts(rng, args.batch, PROMPT, vocab), sps, args.gen))
+            prompts = random_prompts(rng, args.batch, args.prompt, vocab)
+            runs.append(decode_run(llm.engine, prompts, sps, args.gen))
         row = {"mode": mode, "tok_s": statistics.median(runs[1:]), "runs": runs[1:], **timer.summary()}
         modes.append(row)
         print(f"{mode}: {row['tok_s']:,.0f} tok/s, step p50 {row['step_us']['p50']:,.0f} us", flush=True)

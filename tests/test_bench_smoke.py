@@ -161,6 +161,37 @@ def test_step_phases_smoke(tmp_path):
     assert "| BitmaskFiller._device_rows |" in (out / "step_phases.md").read_text()
 
 
+def test_step_phases_times_rank_0s_tensor_parallel_calls(tmp_path):
+    """--tp 2 (gloo): rank 0's commands, logits calls and the runner's launch get rows of their own; a
+    decode step scores its own rows (no broadcast), a prompt step the rows it samples; each launched step
+    sends the workers two commands (eager on CPU: its forward, then its logits)."""
+    from benchmarks.step_phases import main
+
+    out = tmp_path / "out"
+    args = [
+        "--model",
+        "tiny",
+        "--modes",
+        "none",
+        "--runs",
+        "1",
+        "--gen",
+        "6",
+        "--batch",
+        "4",
+        "--prompt",
+        "40",
+    ]
+    main(args + ["--tp", "2", "--out", str(out), "--ckpt-dir", str(tmp_path)])
+    (phases,) = (m["phases"] for m in json.loads((out / "step_phases.json").read_text())["modes"])
+    assert (
+        phases["TPModel.compute_own_logits"]["calls_per_step"]
+        > phases["TPModel.compute_logits"]["calls_per_step"]
+    )
+    launched = phases["ModelRunner.execute"]["calls_per_step"]
+    assert phases["TPGroup.send"]["calls_per_step"] == pytest.approx(2 * launched)  # a forward, its logits
+
+
 def test_step_phases_names_only_methods_that_exist(monkeypatch):
     """Every phase step_phases times exists in this tree, and a stale name stops the benchmark with
     that name instead of leaving its row out of the report."""
