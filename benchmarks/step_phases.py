@@ -220,6 +220,8 @@ def main(argv: list[str] | None = None) -> None:
         "modes": modes,
     }
     write_report(args.out / "step_phases", report, markdown(report))
+    if args.tp > 1:  # a process runs one tensor-parallel engine at a time: stop its workers
+        llm.engine.runner.shutdown()
 
 
 if __name__ == "__main__":
