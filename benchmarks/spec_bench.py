@@ -126,8 +126,8 @@ def configs(args) -> list[tuple[str, dict | None, list]]:
                    "synthetic_acceptance_rate": 0.0}  # fmt: skip
             out.append((f"draft {args.draft}, k={k}", cfg, alphas))
         if "mtp" in args.proposers:
-            out.append((f"gated-LoRA MTP, k={k}", mtp_config(args, k), alphas))
             label = f"gated-LoRA MTP, k={k}"
+            out.append((label, mtp_config(args, k), alphas))
             if args.mtp_draft_vocab:
                 label = f"gated-LoRA MTP, k={k}, draft vocabulary {args.mtp_draft_vocab}"
                 out.append((label, mtp_config(args, k, vocab=True), alphas))

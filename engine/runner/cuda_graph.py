@@ -35,6 +35,13 @@ def lm_head_rows(n: int) -> int:
     return next((b for b in DEFAULT_BUCKETS if b >= n), n)
 
 
+def pad_rows(hidden: torch.Tensor, m: int) -> torch.Tensor:
+    """`hidden` [n, H] with its last row repeated up to m rows (lm_head_rows' count); as it is if n >= m.
+    Under tensor parallelism every rank pads its own rows this way (engine/runner/tp_worker.py)."""
+    n = hidden.shape[0]
+    return torch.cat([hidden, hidden[-1:].expand(m - n, -1)]) if m > n else hidden
+
+
 class _GraphSet:
     """Graphs by bucket key, static (int64, int32) input buffers per bucket, one output buffer."""
 

@@ -28,7 +28,7 @@ from engine.models.layers import Attention
 from engine.models.loader import load_model
 from engine.models.parallel import local_config
 from engine.runner import mtp_setup, tp_wire
-from engine.runner.cuda_graph import DecodeGraphs, MixedGraphs, forward_batch, lm_head_rows
+from engine.runner.cuda_graph import DecodeGraphs, MixedGraphs, forward_batch, lm_head_rows, pad_rows
 from engine.runner.draft_runner import DraftRunner
 from engine.runner.graph_sets import capture_sets, max_graph_batch
 from engine.runner.kv_cache import KVCacheSpec, allocate_kv_cache, kv_cache_dtype, plan_kv_cache
@@ -298,8 +298,7 @@ class ModelRunner:
             index = rows + [rows[-1]] * (m - n)
             hidden = hidden.index_select(0, self.upload.values("logit_rows", index, torch.long))
             return self.model.compute_logits(hidden)[:n]
-        if m > n:
-            hidden = torch.cat([hidden, hidden[-1:].expand(m - n, -1)])
+        hidden = pad_rows(hidden, m)
         if self.tp is not None:  # the forward's own rows: every rank has them, none is broadcast
             return self.model.compute_own_logits(hidden, n)[:n]
         return self.model.compute_logits(hidden)[:n]

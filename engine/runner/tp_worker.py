@@ -31,6 +31,7 @@ from engine.models.layers import Attention
 from engine.models.loader import load_model
 from engine.models.parallel import Shard, local_config
 from engine.runner import mtp_setup, tp_wire
+from engine.runner.cuda_graph import pad_rows
 from engine.runner.graph_sets import capture_sets
 from engine.runner.kv_cache import KVCacheSpec, allocate_kv_cache, kv_cache_dtype
 from engine.runner.tp_group import TIMEOUT, backend_for
@@ -96,10 +97,7 @@ class Worker:
         """Rank 0's compute_own_logits: the first n rows of this rank's last forward, the last row
         repeated up to m, as rank 0 pads its own."""
         n, m = header[1], header[2]
-        hidden = self.hidden[:n]
-        if m > n:
-            hidden = torch.cat([hidden, hidden[-1:].expand(m - n, -1)])
-        gather_logits(self.model.compute_logits(hidden), self.shard.size, None)
+        gather_logits(self.model.compute_logits(pad_rows(self.hidden[:n], m)), self.shard.size, None)
 
     def embed(self, header: list[int]) -> None:
         ids = torch.empty(header[1], dtype=torch.long, device=self.device)
