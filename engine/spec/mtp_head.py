@@ -155,8 +155,10 @@ class MtpHead(nn.Module):
         e = embed(prev_ids).to(hidden.dtype)
         up = self._linear(torch.cat([hidden, e], dim=-1), "fc1", self.sampler.fc1.weight)
         # silu alone has no kernel of its own: elementwise over [N, H], torch's is as fast
-        z = hidden + self._linear(F.silu(up), "fc2", self.sampler.fc2.weight)
-        return ops.rms_norm(z, self.sampler.norm.weight, self.eps)
+        down = self._linear(F.silu(up), "fc2", self.sampler.fc2.weight)
+        # norm(hidden + down) with the residual add in the norm's launch (the sum rounded to the dtype
+        # first, as a separate add would store it)
+        return ops.add_rms_norm(down, hidden, self.sampler.norm.weight, self.eps)[0]
 
     def draft(
         self,
