@@ -67,6 +67,8 @@ class SpeculativeConfig:
             "num_speculative_tokens",
             f"got {k!r}; use an integer in [1, {MAX_SPECULATIVE_TOKENS}]",
         )
+        if self.method != "gated_lora_mtp":
+            _require(self.quantization is None, "quantization", "only gated_lora_mtp takes it; remove it")
         if self.method == "ngram":
             self._check_ngram()
         elif self.method == "draft_model":
@@ -95,7 +97,6 @@ class SpeculativeConfig:
         _require(isinstance(hi, int) and hi >= lo, "prompt_lookup_max", fix_hi)
         for name in ("model", "dtype", "device"):
             _require(getattr(self, name) is None, name, "only draft_model takes it; remove it for ngram")
-        _require(self.quantization is None, "quantization", "only gated_lora_mtp takes it; remove it")
 
     def _check_draft_model(self) -> None:
         _require(
@@ -111,7 +112,6 @@ class SpeculativeConfig:
         dev = self.device
         ok_device = dev is None or dev in ("auto", "cpu", "cuda") or dev.startswith("cuda:")
         _require(ok_device, "device", f"got {dev!r}; use None (follow the target), auto, cpu, cuda or cuda:N")
-        _require(self.quantization is None, "quantization", "only gated_lora_mtp takes it; remove it")
 
     def _check_mtp(self) -> None:
         k = self.num_speculative_tokens
