@@ -15,6 +15,7 @@ import os
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 
 from kernels import torch_lora, torch_ops
 from kernels.lora_mapping import LoraMapping
@@ -114,11 +115,13 @@ def quant_linear(
     scheme: str,
     act_quant: str | None,
     act_amax: torch.Tensor | None = None,
+    silu: bool = False,
 ) -> torch.Tensor:
     """x [..., K] (model dtype) @ dequantised W^T (+ bias) -> [..., N] in x.dtype; the storage is
     documented in engine/models/quant_linear.py, the arithmetic in torch_ops.quant_linear. act_amax:
     partial maxima of |x| from x's producer (gated_and_mul_amax), which the single-row DP4A kernel reads
-    instead of a pass over x; the other paths find amax themselves (the same value).
+    instead of a pass over x; the other paths find amax themselves (the same value). silu: F.silu of
+    the result, which the single-row kernel applies in its store (one launch fewer).
 
     On CUDA a single row (batch-1 decode) goes to triton_qgemv. With int8 per-channel weights and
     "int8_token" it quantises the row and sums in integers (DP4A), which is cheaper than turning every
@@ -128,18 +131,20 @@ def quant_linear(
     Elsewhere: the torch twin."""
     rows = x.numel() // x.shape[-1]
     if not use_triton(x) or rows == 0:
-        return torch_ops.quant_linear(x, qweight, scale, row_block, bias, scheme, act_quant)
+        y = torch_ops.quant_linear(x, qweight, scale, row_block, bias, scheme, act_quant)
+        return F.silu(y) if silu else y
     x2d = x.reshape(rows, x.shape[-1]).contiguous()
     if rows == 1:
         from kernels import triton_qgemv
 
         y = triton_qgemv.qgemv(
-            x2d, qweight, scale, row_block, bias, scheme, act_quant=act_quant, act_amax=act_amax
+            x2d, qweight, scale, row_block, bias, scheme, act_quant=act_quant, act_amax=act_amax, silu=silu
         )
     else:
         from kernels import triton_qgemm
 
         y = triton_qgemm.qgemm(x2d, qweight, scale, row_block, bias, scheme, act_quant)
+        y = F.silu(y) if silu else y
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
@@ -218,18 +223,23 @@ def gelu_tanh_and_mul(x):
 
 
 def argmax(
-    logits: torch.Tensor, bitmask: torch.Tensor | None = None, mask_row: torch.Tensor | None = None
+    logits: torch.Tensor,
+    bitmask: torch.Tensor | None = None,
+    mask_row: torch.Tensor | None = None,
+    ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Row-wise argmax of [rows, vocab] logits as int64 ids, lowest index on ties (greedy sampling).
     With a token bitmask, over the allowed tokens only (kernels.triton_argmax.argmax: the mask is read
-    as the logits load, no masking pass)."""
+    as the logits load, no masking pass). With `ids` [vocab] int64, column c stands for token ids[c]
+    and the result is ids[argmax] (a draft vocabulary's rows), mapped in the same launch."""
     if use_triton(logits) and logits.stride(-1) == 1:
         from kernels import triton_argmax
 
-        return triton_argmax.argmax(logits, bitmask, mask_row)
+        return triton_argmax.argmax(logits, bitmask, mask_row, ids)
     if bitmask is not None:
         logits = torch_ops.masked_by_bitmask(logits, bitmask, mask_row)
-    return logits.argmax(dim=-1)
+    best = logits.argmax(dim=-1)
+    return best if ids is None else ids.index_select(0, best)
 
 
 def store_kv(k, v, k_cache, v_cache, slot_mapping) -> None:

@@ -11,11 +11,11 @@ Safety of the chain: every PDL kernel waits (griddepcontrol.wait: the predecesso
 and its writes are visible) before its first dependent access. A grid completes only after its own
 wait has returned, so when any kernel passes its wait, every kernel before it in the stream has
 completed, not just the one directly before it. This holds whether a kernel lets its successor launch
-after its wait or before it (RELEASE_FIRST: the norm, the decode attention and the GEMVs do, so the
-next GEMV's first weight loads overlap the kernel two back). A kernel launched without PDL (cuBLAS,
-torch ops) waits for its predecessor as usual. cuBLASLt's GEMM kernels must stay that way: none of
-those our decode shapes use waits for a PDL producer before reading its input (checked on an H200;
-docs/performance.md).
+after its wait or before it (RELEASE_FIRST: the norm, the decode attention, the GEMVs and the LoRA
+expand do, so the next GEMV's first weight loads overlap the kernel two back). A kernel launched
+without PDL (cuBLAS, torch ops) waits for its predecessor as usual. cuBLASLt's GEMM kernels must
+stay that way: none of those our decode shapes use waits for a PDL producer before reading its
+input (checked on an H200; docs/performance.md).
 
 Off on CPU, under the Triton interpreter, before sm_90, and with MINSERVE_PDL=0.
 """

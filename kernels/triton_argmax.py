@@ -45,9 +45,9 @@ def _gumbel(key, counter, idx):
 @triton.jit
 def _argmax_kernel(
     x_ptr, temp_ptr, key_ptr, counter_ptr, part_val_ptr, part_idx_ptr, out_ptr, arrivals_ptr, V, stride_x,
-    mask_ptr, mask_row_ptr, W,
+    mask_ptr, mask_row_ptr, W, ids_ptr,
     BLOCK: tl.constexpr, CHUNKS_P2: tl.constexpr, NOISE: tl.constexpr, MASK: tl.constexpr,
-    MASK_ROWS: tl.constexpr, USE_PDL: tl.constexpr,
+    MASK_ROWS: tl.constexpr, USE_PDL: tl.constexpr, IDS: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
@@ -75,16 +75,25 @@ def _argmax_kernel(
         vals = tl.load(part_val_ptr + parts, mask=c < chunks, other=float("-inf"), cache_modifier=".cg")
         idxs = tl.load(part_idx_ptr + parts, mask=c < chunks, other=V, cache_modifier=".cg")
         top = tl.max(vals, axis=0)
-        tl.store(out_ptr + row, tl.min(tl.where(vals == top, idxs, V), axis=0).to(tl.int64))
+        winner = tl.min(tl.where(vals == top, idxs, V), axis=0)
+        if IDS:  # the id the winning column stands for
+            winner = tl.load(ids_ptr + winner)
+        tl.store(out_ptr + row, winner.to(tl.int64))
         tl.store(counter, 0)  # ready for the next launch
 
 
-def argmax(logits: torch.Tensor, bitmask: torch.Tensor | None = None, mask_row=None) -> torch.Tensor:
+def argmax(
+    logits: torch.Tensor, bitmask: torch.Tensor | None = None, mask_row=None, ids: torch.Tensor | None = None
+) -> torch.Tensor:
     """logits [rows, V] (any float dtype, rows contiguous) -> int64 ids [rows]. With `bitmask`
     [R, ceil(V / 32)] int32, only the tokens whose bit is set compete (a grammar's mask, as
     kernels.torch_ops.apply_token_bitmask applies it): for row r, mask row mask_row[r] ([rows] int,
-    -1: no mask), or mask row r when mask_row is None."""
-    return _launch(logits, None, bitmask, mask_row)
+    -1: no mask), or mask row r when mask_row is None. With `ids` [V] int64 (contiguous), column c
+    stands for token ids[c]: the result is ids[argmax], in the same launch."""
+    bad_ids = ids is not None and (ids.shape != logits.shape[-1:] or ids.dtype != torch.int64)
+    if bad_ids or (ids is not None and not ids.is_contiguous()):
+        raise ValueError(f"argmax: ids must be contiguous int64 [{logits.shape[-1]}], got {tuple(ids.shape)}")
+    return _launch(logits, None, bitmask, mask_row, ids)
 
 
 def sample(
@@ -109,7 +118,7 @@ def sample(
     return _launch(logits, (temperature, keys, counters), bitmask, mask_row)
 
 
-def _launch(logits: torch.Tensor, noise: tuple[torch.Tensor, ...] | None, bitmask=None, mask_row=None):
+def _launch(logits: torch.Tensor, noise: tuple | None, bitmask=None, mask_row=None, ids=None):
     if logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError(f"argmax: logits {tuple(logits.shape)} must be [rows, vocab] with contiguous rows")
     rows, vocab = logits.shape
@@ -126,8 +135,9 @@ def _launch(logits: torch.Tensor, noise: tuple[torch.Tensor, ...] | None, bitmas
     _argmax_kernel[(rows, chunks)](
         logits, temp, keys, counters, part_val, part_idx, out, arrival_counters(rows, logits.device), vocab,
         logits.stride(0), logits if bitmask is None else bitmask, logits if mask_row is None else mask_row,
-        0 if bitmask is None else bitmask.shape[1], BLOCK=BLOCK, CHUNKS_P2=triton.next_power_of_2(chunks),
-        NOISE=noise is not None, MASK=bitmask is not None, MASK_ROWS=mask_row is not None, USE_PDL=pdl,
+        0 if bitmask is None else bitmask.shape[1], out if ids is None else ids, BLOCK=BLOCK,
+        CHUNKS_P2=triton.next_power_of_2(chunks), NOISE=noise is not None, MASK=bitmask is not None,
+        MASK_ROWS=mask_row is not None, USE_PDL=pdl, IDS=ids is not None,
         num_warps=4, launch_pdl=pdl,
     )  # fmt: skip
     return out

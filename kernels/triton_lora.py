@@ -31,6 +31,8 @@ import triton
 import triton.language as tl
 
 from kernels.lora_mapping import LoraMapping
+from kernels.pdl import enabled as pdl_enabled
+from kernels.pdl import wait_for_inputs
 from kernels.torch_lora import check_expand, check_shrink
 from kernels.triton_gemv import _sm_count
 
@@ -39,6 +41,9 @@ SMALL_T = 128  # up to this many rows: decode-sized tiles (BLOCK_M 16) and split
 SHRINK_K_PER_SPLIT = 256  # a shrink split covers at least this much of K
 SHRINK_PROGRAMS_PER_SM = 2  # split K until the busy tiles make this many programs per SM
 NUM_WARPS = 4
+# The expand joins the step's PDL chain (kernels/pdl.py): it launches while the projection before it
+# drains and lets the kernel after it (norm, RoPE, activation) launch at once.
+EXPAND_PDL = True
 
 
 @triton.jit
@@ -102,21 +107,27 @@ def _expand_kernel(
     s_ptr, b_ptr, y_ptr, order_ptr, starts_ptr, RANK, NUM_N, off0, off1, off2, off3, off4,
     stride_st, stride_sr, stride_bs, stride_bn, stride_br, stride_yt, stride_yn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, IEEE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0) // NUM_N
     pid_n = tl.program_id(0) % NUM_N
     sl = tl.program_id(1)
     slot = tl.program_id(2)
     lo, hi = _slice_bounds(sl, off0, off1, off2, off3, off4)
-    rows, row_ok, busy = _slot_rows(order_ptr, starts_ptr, slot, pid_m, BLOCK_M)
-    if not busy or lo + pid_n * BLOCK_N >= hi:
+    if lo + pid_n * BLOCK_N >= hi:
         return
     cols = lo + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < hi
     rk = tl.arange(0, BLOCK_R)
     r_ok = rk < RANK
+    # lora_b is a weight, never written during a step: its tile loads before the PDL wait, while the
+    # GEMM that wrote y and s drains; the mapping, s and y are read after it.
     b_ptrs = b_ptr + slot.to(tl.int64) * stride_bs + cols[None, :] * stride_bn + rk[:, None] * stride_br
     b = tl.load(b_ptrs, mask=r_ok[:, None] & col_ok[None, :], other=0.0)
+    wait_for_inputs(USE_PDL, True)
+    rows, row_ok, busy = _slot_rows(order_ptr, starts_ptr, slot, pid_m, BLOCK_M)
+    if not busy:
+        return
     s_ptrs = s_ptr + rows[:, None] * stride_st + (sl * RANK + rk)[None, :] * stride_sr
     s = tl.load(s_ptrs, mask=row_ok[:, None] & r_ok[None, :], other=0.0)
     delta = tl.dot(s.to(b.dtype), b, input_precision="ieee" if IEEE else None)
@@ -191,11 +202,12 @@ def lora_expand(
     ieee = _dot_ieee(lora_b)
     bm, bn, br = expand_config(t, rank)
     num_n = triton.cdiv(widest, bn)
+    pdl = EXPAND_PDL and pdl_enabled(y.device)
     offs = list(slice_offsets) + [slice_offsets[-1]] * (MAX_SLICES + 1 - len(slice_offsets))
     grid = (triton.cdiv(t, bm) * num_n, n_slices, num_slots)
     _expand_kernel[grid](
         s, lora_b, y, mapping.token_order, mapping.slot_starts, rank, num_n, *offs,
         s.stride(0), s.stride(1), lora_b.stride(0), lora_b.stride(1), lora_b.stride(2),
         y.stride(0), y.stride(1),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_R=br, IEEE=ieee, num_warps=NUM_WARPS,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_R=br, IEEE=ieee, USE_PDL=pdl, num_warps=NUM_WARPS, launch_pdl=pdl,
     )  # fmt: skip

@@ -25,6 +25,7 @@ import triton.language as tl
 
 from kernels import torch_ops
 from kernels.triton_attn_common import dot_dtype_for, load_paged_rows, online_softmax_step, scores_log2
+from kernels.triton_gemv import _sm_count
 
 
 @triton.jit
@@ -171,10 +172,11 @@ def _prefill_kernel(
 
 SHORT_Q = 16  # at most this many queries per sequence: one 16-row tile (tl.dot's smallest M)
 MEDIUM_Q = 32  # at most this many (MTP verify+draft, k = 4: 25 rows): one 32-row tile
+SHORT_TILES_ONE_WAVE = True  # ...or 16-row tiles where they fit the chip in one wave (prefill_config)
 
 
 def prefill_config(
-    head_dim: int, fp8_cache: bool = False, max_seqlen_q: int | None = None
+    head_dim: int, fp8_cache: bool = False, max_seqlen_q: int | None = None, one_wave: bool = False
 ) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages), fixed per head_dim, cache type and, for at most
     MEDIUM_Q queries per sequence, the query length (no autotune).
@@ -184,14 +186,21 @@ def prefill_config(
     tile on 4 warps: a 128-row tile would be almost all padding, computed for every key. Up to 32
     queries (the gated-LoRA MTP layout, (k + 1)^2 rows) take one 32-row tile on 4 warps with a 3-stage
     pipeline (bf16, the case measured; an fp8 cache keeps its own stages): two 16-row tiles would read
-    every key twice, and at 8 sequences their doubled grid queues. All were measured
-    (docs/performance.md, ideas tried)."""
+    every key twice, and at 8 sequences their doubled grid queues. `one_wave`: the 16-row tiles of such
+    a chunk would still fit the chip in one wave (a sequence or two); then they win, each program
+    walking the keys for half the rows. All were measured (docs/performance.md, ideas tried)."""
     bm, bn, num_warps, num_stages = _tile_config(head_dim, fp8_cache)
     if max_seqlen_q is not None and max_seqlen_q <= SHORT_Q:
         return 16, bn, 4, num_stages
     if max_seqlen_q is not None and max_seqlen_q <= MEDIUM_Q:
-        return MEDIUM_Q, bn, 4, num_stages if fp8_cache else 3
+        return 16 if one_wave else MEDIUM_Q, bn, 4, num_stages if fp8_cache else 3
     return bm, bn, num_warps, num_stages
+
+
+def fits_one_wave(max_seqlen_q: int, batch: int, num_q_heads: int, device: torch.device) -> bool:
+    """Whether 16-row tiles of `batch` chunks of max_seqlen_q queries make at most one program per SM."""
+    programs = triton.cdiv(max_seqlen_q, SHORT_Q) * batch * num_q_heads
+    return SHORT_TILES_ONE_WAVE and programs <= _sm_count(device)
 
 
 def _tile_config(head_dim: int, fp8_cache: bool) -> tuple[int, int, int, int]:
@@ -249,7 +258,8 @@ def prefill_attention(
     if num_tokens == 0 or batch == 0:
         return out
     short = None if mixed else max_seqlen_q  # a mixed graph's tiles cannot depend on the data
-    bm, bn, num_warps, num_stages = prefill_config(head_dim, k.dtype == torch_ops.FP8_DTYPE, short)
+    wave = not mixed and fits_one_wave(max_seqlen_q, batch, num_q_heads, q.device)
+    bm, bn, num_warps, num_stages = prefill_config(head_dim, k.dtype == torch_ops.FP8_DTYPE, short, wave)
     bm, bn = block_m or bm, block_n or bn
     paged = block_tables is not None
     vis_args = _visibility_args(visibility, slot_mapping, paged, num_tokens, cu_seqlens_q)

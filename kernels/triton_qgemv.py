@@ -130,7 +130,7 @@ def _qgemv_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_SCALES: tl.constexpr, INT8: tl.constexpr,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, USE_PDL: tl.constexpr,
     PRMT: tl.constexpr, GATED: tl.constexpr = False, GELU_TANH: tl.constexpr = False,
-    RELEASE_FIRST: tl.constexpr = False, SCALE_FIRST: tl.constexpr = False,
+    RELEASE_FIRST: tl.constexpr = False, SCALE_FIRST: tl.constexpr = False, SILU: tl.constexpr = False,
 ):  # fmt: skip
     cols = tl.arange(0, BLOCK_K)
     if GATED:  # gate and up rows in pairs
@@ -171,6 +171,9 @@ def _qgemv_kernel(
     if GATED:
         store_gated(out_ptr, y, N, BLOCK_N, GELU_TANH)
     else:
+        if SILU:  # silu of the stored product, as a separate silu of the output would compute it
+            y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
+            y = y / (1.0 + tl.exp(-y))
         tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=rows < N)
 
 
@@ -224,11 +227,13 @@ def qgemv(
     out: torch.Tensor | None = None,
     act_quant: str | None = None,
     act_amax: torch.Tensor | None = None,
+    silu: bool = False,
 ) -> torch.Tensor:
     """x [1, K] (or [K]) @ deq(qweight) [N, K]^T (+ bias) -> [1, N] (or [N]) in x's dtype; fp32 sums.
     x stays exact, except that act_quant "int8_token" on int8 channel weights quantises it as the twin
     does and takes the integer-dot kernel (kernels/triton_qgemv_w8a8.py), which reads x's amax from
-    act_amax (partial maxima from x's producer) when given."""
+    act_amax (partial maxima from x's producer) when given. silu: silu of the product (rounded to x's
+    dtype first, as F.silu of the output), in the store."""
     n = _check_inputs("qgemv", x, qweight, scale, row_block, bias, scheme)
     if out is None:
         out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
@@ -237,8 +242,9 @@ def qgemv(
     if reads_act_amax(qweight, scheme, act_quant):
         from kernels import triton_qgemv_w8a8
 
-        return triton_qgemv_w8a8.w8a8_gemv(x, qweight, scale, bias, out, act_amax)
-    return _launch(x, qweight, scale, row_block, bias, scheme, out)
+        out = triton_qgemv_w8a8.w8a8_gemv(x, qweight, scale, bias, out, act_amax)
+        return torch.nn.functional.silu(out) if silu else out
+    return _launch(x, qweight, scale, row_block, bias, scheme, out, silu=silu)
 
 
 def fuses_gated(qweight: torch.Tensor, scheme: str, act_quant: str | None) -> bool:
@@ -270,8 +276,10 @@ def qgemv_gated(
     return _launch(x, qweight, scale, row_block, bias, scheme, out, gelu_tanh)
 
 
-def _launch(x, qweight, scale, row_block, bias, scheme: str, out, gelu_tanh: bool | None = None):
-    """The float GEMV's launch; gelu_tanh not None: the gated epilogue (tile rows in gate/up pairs)."""
+def _launch(x, qweight, scale, row_block, bias, scheme: str, out, gelu_tanh: bool | None = None,
+            silu: bool = False):  # fmt: skip
+    """The float GEMV's launch; gelu_tanh not None: the gated epilogue (tile rows in gate/up pairs);
+    silu: silu of the output."""
     n, k = qweight.shape
     block_n, block_k, stages, warps = qgemv_config(n, k, _sm_count(x.device))
     if gelu_tanh is not None:
@@ -285,7 +293,7 @@ def _launch(x, qweight, scale, row_block, bias, scheme: str, out, gelu_tanh: boo
         BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_SCALES=blocks, INT8=qweight.dtype == torch.int8,
         HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, PREFETCH=prefetch, USE_PDL=pdl,
         PRMT=PRMT_INT8 and not pdl_interpreting(), GATED=gelu_tanh is not None, GELU_TANH=bool(gelu_tanh),
-        RELEASE_FIRST=RELEASE_FIRST, SCALE_FIRST=SCALE_FIRST, num_warps=warps, num_stages=stages,
+        RELEASE_FIRST=RELEASE_FIRST, SCALE_FIRST=SCALE_FIRST, SILU=silu, num_warps=warps, num_stages=stages,
         launch_pdl=pdl,
     )  # fmt: skip
     return out

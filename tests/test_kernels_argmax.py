@@ -59,13 +59,36 @@ def test_ops_dispatch_and_bad_input(monkeypatch) -> None:
         ta.argmax(x.t())
 
 
+def _check_ids(x: torch.Tensor) -> None:
+    """With an id map (a draft vocabulary: distinct ascending ids), the mapped id of torch's argmax."""
+    g = torch.Generator().manual_seed(x.shape[1])
+    ids = torch.randperm(4 * x.shape[1], generator=g)[: x.shape[1]].sort().values.to(x.device)
+    assert torch.equal(ta.argmax(x, ids=ids), ids[x.argmax(dim=-1)])
+    assert not arrivals._BUFFERS[x.device][-1].any()
+
+
+@interp
+@pytest.mark.parametrize("rows,vocab", [(1, 100), (3, 2 * ta.BLOCK + 1)])
+def test_maps_ids_interpreted(rows: int, vocab: int, monkeypatch) -> None:
+    x = _logits_with_ties(rows, vocab, torch.bfloat16, "cpu")
+    _check_ids(x)
+    monkeypatch.setattr(ops, "use_triton", lambda x: False)  # the twin's mapping
+    ids = torch.arange(vocab) * 3 + 1
+    assert torch.equal(ops.argmax(x, ids=ids), ids[x.argmax(dim=-1)])
+    with pytest.raises(ValueError, match="ids must be"):
+        ta.argmax(x, ids=ids[:-1])
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA_OK, reason="needs CUDA")
 @pytest.mark.parametrize("vocab", [128256, 151936, 262144])
 @pytest.mark.parametrize("rows", [1, 64, 256])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_matches_torch_gpu(rows: int, vocab: int, dtype) -> None:
-    _check(_logits_with_ties(rows, vocab, dtype, "cuda"))
+    x = _logits_with_ties(rows, vocab, dtype, "cuda")
+    _check(x)
+    if vocab == 128256 and dtype == torch.bfloat16:
+        _check_ids(x[:, :32768].contiguous())
 
 
 # ------------------------------------------------------------------------------------------- sampling

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
@@ -123,6 +124,8 @@ def test_qgemv_interpreted(wdtype, scheme, shards, k: int, with_bias: bool) -> N
     out = torch.full((1, q.shape[0]), float("nan"))
     assert tv.qgemv(x, q, scale, row_block, bias, scheme, out=out) is out
     check(out, x, q, scale, row_block, bias, None, ATOL_INTERP)
+    if wdtype == FP8 and not with_bias:  # silu in the store: F.silu of the same stored output
+        torch.testing.assert_close(tv.qgemv(x, q, scale, row_block, None, scheme, silu=True), F.silu(out))
 
 
 def gated_reference(x, q, scale, row_block, bias, gelu_tanh: bool) -> tuple[torch.Tensor, float]:
@@ -346,6 +349,7 @@ def test_gpu_shapes_bf16(name: str, wdtype, scheme: str) -> None:
     x = torch.randn(300, k, generator=_gen(2, "cuda"), device="cuda").bfloat16()
     out = tv.qgemv(x[:1], q, scale, row_block, bias, scheme)
     check(out, x[:1], q, scale, row_block, bias, None, 2e-2)
+    torch.testing.assert_close(tv.qgemv(x[:1], q, scale, row_block, bias, scheme, silu=True), F.silu(out))
     if wdtype == INT8:  # "int8_token" at M = 1: the DP4A kernel for "channel", else the float GEMV
         out = tv.qgemv(x[:1], q, scale, row_block, bias, scheme, act_quant="int8_token")
         check(out, x[:1], q, scale, row_block, bias, "int8_token" if scheme == "channel" else None, 2e-2)

@@ -127,12 +127,14 @@ class MtpHead(nn.Module):
         if self.draft_weight is not None:
             self.draft_weight = self.fp8["draft"][0]  # the model-dtype copy of N LM-head rows is freed
 
-    def _linear(self, x: torch.Tensor, name: str, weight: torch.Tensor) -> torch.Tensor:
-        """x @ weight^T, through its float8 copy after quantize_fp8."""
+    def _linear(self, x: torch.Tensor, name: str, weight: torch.Tensor, silu: bool = False) -> torch.Tensor:
+        """x @ weight^T (silu of it), through its float8 copy after quantize_fp8, whose batch-1 GEMV
+        applies the silu in its store."""
         if name not in self.fp8:
-            return ops.linear(x, weight)
+            y = ops.linear(x, weight)
+            return F.silu(y) if silu else y
         qweight, scale = self.fp8[name]
-        return ops.quant_linear(x, qweight, scale, None, None, "channel", None)
+        return ops.quant_linear(x, qweight, scale, None, None, "channel", None, silu=silu)
 
     def mask_embedding(self, index: torch.Tensor) -> torch.Tensor:
         """The input vectors [..., H] of mask positions m_{index + 1} (index: 0-based, < num_mask_tokens)."""
@@ -153,9 +155,8 @@ class MtpHead(nn.Module):
     def _state(self, hidden: torch.Tensor, prev_ids: torch.Tensor, embed: Callable) -> torch.Tensor:
         """The sampler's output [N, H], normalised: what the LM head scores."""
         e = embed(prev_ids).to(hidden.dtype)
-        up = self._linear(torch.cat([hidden, e], dim=-1), "fc1", self.sampler.fc1.weight)
-        # silu alone has no kernel of its own: elementwise over [N, H], torch's is as fast
-        down = self._linear(F.silu(up), "fc2", self.sampler.fc2.weight)
+        act = self._linear(torch.cat([hidden, e], dim=-1), "fc1", self.sampler.fc1.weight, silu=True)
+        down = self._linear(act, "fc2", self.sampler.fc2.weight)
         # norm(hidden + down) with the residual add in the norm's launch (the sum rounded to the dtype
         # first, as a separate add would store it)
         return ops.add_rms_norm(down, hidden, self.sampler.norm.weight, self.eps)[0]
@@ -172,7 +173,7 @@ class MtpHead(nn.Module):
         if self.draft_weight is None:
             return ops.argmax(self.draft_logits(hidden, prev_ids, embed, compute_logits))
         scores = self._linear(self._state(hidden, prev_ids, embed), "draft", self.draft_weight)
-        return self.draft_token_ids.index_select(0, ops.argmax(scores))
+        return ops.argmax(scores, ids=self.draft_token_ids)
 
 
 @dataclass(frozen=True)
