@@ -90,8 +90,9 @@ def argmax(
     kernels.torch_ops.apply_token_bitmask applies it): for row r, mask row mask_row[r] ([rows] int,
     -1: no mask), or mask row r when mask_row is None. With `ids` [V] int64 (contiguous), column c
     stands for token ids[c]: the result is ids[argmax], in the same launch."""
-    bad_ids = ids is not None and (ids.shape != logits.shape[-1:] or ids.dtype != torch.int64)
-    if bad_ids or (ids is not None and not ids.is_contiguous()):
+    if ids is not None and (
+        ids.shape != logits.shape[-1:] or ids.dtype != torch.int64 or not ids.is_contiguous()
+    ):
         raise ValueError(f"argmax: ids must be contiguous int64 [{logits.shape[-1]}], got {tuple(ids.shape)}")
     return _launch(logits, None, bitmask, mask_row, ids)
 

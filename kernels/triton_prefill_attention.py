@@ -198,9 +198,11 @@ def prefill_config(
 
 
 def fits_one_wave(max_seqlen_q: int, batch: int, num_q_heads: int, device: torch.device) -> bool:
-    """Whether 16-row tiles of `batch` chunks of max_seqlen_q queries make at most one program per SM."""
-    programs = triton.cdiv(max_seqlen_q, SHORT_Q) * batch * num_q_heads
-    return SHORT_TILES_ONE_WAVE and programs <= _sm_count(device)
+    """Whether chunks of SHORT_Q < max_seqlen_q <= MEDIUM_Q queries, in 16-row tiles, make at most one
+    program per SM (False for any other length: prefill_config never asks there)."""
+    if not (SHORT_TILES_ONE_WAVE and SHORT_Q < max_seqlen_q <= MEDIUM_Q):
+        return False
+    return triton.cdiv(max_seqlen_q, SHORT_Q) * batch * num_q_heads <= _sm_count(device)
 
 
 def _tile_config(head_dim: int, fp8_cache: bool) -> tuple[int, int, int, int]:
