@@ -14,6 +14,12 @@ One engine per (proposer, k); alpha is switched between runs on the live engine 
 random tokens and exactly `--gen` new tokens. tok/s counts the tokens emitted after every request's
 first token, up to the step in which the first request finishes (the batch stays full), over those
 steps' wall time; median of `--reps` after a warm-up run.
+
+The engines' tok/s move together from rep to rep (each rep's prompts meet the same acceptance coins in
+every engine) and from process to process with the host's state (clocks, neighbours). `--rounds R`
+runs the whole list of engines R times in turn; the table then gives each figure's median over the
+rounds and, for every speculating engine, its ratio to n-gram at the same k, alpha and batch, paired
+within a round and rep (the median of those ratios), which neither source of noise moves much.
 """
 
 from __future__ import annotations
@@ -134,6 +140,9 @@ def configs(args) -> list[tuple[str, dict | None, list]]:
             if args.mtp_fp8:  # the last MTP head above, its weights in float8
                 cfg = mtp_config(args, k, vocab=bool(args.mtp_draft_vocab), quantization="fp8")
                 out.append((f"{label}, fp8 head", cfg, alphas))
+            if getattr(args, "mtp_heads", "all") == "last":  # only the last of those MTP engines
+                mtp = [i for i, (name, _, _) in enumerate(out) if name.startswith("gated-LoRA MTP")]
+                out = [c for i, c in enumerate(out) if i not in mtp[:-1]]
     return out
 
 
@@ -177,8 +186,32 @@ def _measure(label: str, spec: dict | None, alphas, args, batches: list[int]) ->
     return rows
 
 
+def _k_of(config: str) -> str | None:
+    return next((part for part in config.split(", ") if part.startswith("k=")), None)
+
+
+def summary(rows: list[dict]) -> list[dict]:
+    """One row per (config, alpha, batch): tok/s the median over rounds, and `vs_ngram` the median of
+    the per-round, per-rep ratios to n-gram's row of the same k, alpha, batch and round."""
+    ngram = {(_k_of(r["config"]), r["alpha"], r["batch"], r.get("round", 0)): r for r in rows
+             if r["config"].startswith("n-gram")}  # fmt: skip
+    out: dict[tuple, dict] = {}
+    for r in rows:
+        key = (r["config"], r["alpha"], r["batch"])
+        agg = out.setdefault(key, {**r, "rounds": [], "ratios": []})
+        agg["rounds"].append(r["tok_s"])
+        ref = ngram.get((_k_of(r["config"]), r["alpha"], r["batch"], r.get("round", 0)))
+        if ref is not None and ref is not r and r.get("runs") and ref.get("runs"):
+            agg["ratios"] += [a / b for a, b in zip(r["runs"], ref["runs"]) if b]
+    for agg in out.values():
+        agg["tok_s"] = round(statistics.median(agg["rounds"]), 1)
+        agg["vs_ngram"] = round(statistics.median(agg["ratios"]), 3) if agg["ratios"] else None
+    return list(out.values())
+
+
 def markdown(report: dict) -> str:
-    base = {r["batch"]: r["tok_s"] for r in report["rows"] if r["config"] == "plain"}
+    rows = summary(report["rows"])
+    base = {r["batch"]: r["tok_s"] for r in rows if r["config"] == "plain"}
     lines = [
         "# Speculative decoding: decode tok/s against plain decoding (same run)",
         "",
@@ -186,14 +219,20 @@ def markdown(report: dict) -> str:
         f"Commit {report['commit']}; {report['environment']['hardware'].get('gpu')}; "
         f"{report['environment']['versions']}",
         "",
-        "| config | alpha | batch | tok/s | vs plain | acceptance | tokens per verify |",
-        "|---|---|---|---|---|---|---|",
+        f"Rounds: {report.get('rounds', 1)} (tok/s: the median over rounds; per round: their figures in "
+        "order; vs n-gram: the median of the ratios paired by round and rep)",
+        "",
+        "| config | alpha | batch | tok/s | vs plain | vs n-gram | per round | acceptance "
+        "| tokens per verify |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in report["rows"]:
+    for r in rows:
         vs = f"{r['tok_s'] / base[r['batch']]:.2f}x" if base.get(r["batch"]) else ""
+        vs_ngram = "" if r["vs_ngram"] is None else f"{r['vs_ngram']:.3f}x"
+        rounds = " / ".join(f"{t:,.1f}" for t in r["rounds"])
         lines.append(
-            f"| {r['config']} | {r['alpha'] or ''} | {r['batch']} | {r['tok_s']:,.1f} | {vs} | "
-            f"{'' if r['acceptance'] is None else r['acceptance']} | {r['mean_emitted'] or ''} |"
+            f"| {r['config']} | {r['alpha'] or ''} | {r['batch']} | {r['tok_s']:,.1f} | {vs} | {vs_ngram} | "
+            f"{rounds} | {'' if r['acceptance'] is None else r['acceptance']} | {r['mean_emitted'] or ''} |"
         )
     if report.get("profile"):
         lines += ["", "GPU time per step by kernel (torch.profiler; verify steps reject every proposal):", ""]
@@ -232,6 +271,13 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also the last MTP head with its weights in float8 (quantization)",
     )
+    ap.add_argument("--rounds", type=int, default=1, help="run the list of engines this many times in turn")
+    ap.add_argument(
+        "--mtp-heads",
+        choices=["all", "last"],
+        default="all",
+        help="last: only the last MTP engine (the draft-vocabulary or fp8 head when asked for)",
+    )
     ap.add_argument("--out", required=True, help="PREFIX for PREFIX.json and PREFIX.md")
     args = ap.parse_args(argv)
     from benchmarks.bench import make_checkpoint
@@ -255,9 +301,11 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python -m benchmarks.spec_bench " + " ".join(sys.argv[1:] if argv is None else argv)
     }
     report |= {"commit": git_commit(ROOT), "environment": environment(), "rows": []}
-    for label, spec, alphas in configs(args):
-        report["rows"] += measure(label, spec, alphas, args, batches)
-        write_report(args.out, report, markdown(report))  # after each: a timeout keeps what ran
+    report["rounds"] = args.rounds
+    for round_ in range(args.rounds):
+        for label, spec, alphas in configs(args):
+            report["rows"] += [r | {"round": round_} for r in measure(label, spec, alphas, args, batches)]
+            write_report(args.out, report, markdown(report))  # after each: a timeout keeps what ran
     if args.profile:
         report["profile"] = profile_all(args, batches)
         write_report(args.out, report, markdown(report))

@@ -204,6 +204,16 @@ def silu_and_mul(x):
     return torch_ops.silu_and_mul(x)
 
 
+def add_silu(a: torch.Tensor, b: torch.Tensor, idx: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(a + b[idx]) [R, H] of a [R, H] and b [M, H] (idx int64 [R]; None: b's rows in order), the
+    sum rounded to a's dtype before the silu."""
+    if use_triton(a):
+        from kernels import triton_act
+
+        return triton_act.add_silu(a, b, idx)
+    return torch_ops.add_silu(a, b, idx)
+
+
 def gated_and_mul_amax(x: torch.Tensor, gelu_tanh: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The gated activation (silu, or gelu_tanh) and, on the Triton path, partial maxima of its |output|
     per row for a consumer that quantises per token (quant_linear's act_amax); elsewhere None."""

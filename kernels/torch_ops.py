@@ -49,6 +49,11 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def add_silu(a: torch.Tensor, b: torch.Tensor, idx: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(a + b[idx]) (idx None: b's rows in order), the sum rounded to a's dtype first."""
+    return F.silu(a + (b if idx is None else b.index_select(0, idx)))
+
+
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x: [T, 2I] = [gate | up] -> gelu_tanh(gate) * up (Gemma's GeGLU)."""
     gate, up = x.chunk(2, dim=-1)

@@ -3,6 +3,9 @@
 Grid: (row, column block). Math in fp32, one rounding to the output dtype. `tanh` is also used by
 the attention kernels for logit soft-capping, so it lives here.
 
+`add_silu` (the gated-LoRA MTP sampler head's fc1 from two precomputed halves) is silu(a + b[idx])
+per row, the sum rounded to the output dtype first, as the twin's bf16 add rounds it.
+
 `gated_and_mul_amax` also writes, per row and column block, the largest |output| (as rounded): the
 partial maxima from which a consumer that quantises the row per token (the W8A8 GEMV of down_proj)
 takes amax without a pass of its own over the row.
@@ -121,3 +124,38 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
 def gelu_tanh_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """[..., 2I] -> gelu_tanh(gate) * up: [..., I] (Gemma's GeGLU)."""
     return _launch(x, True, out)
+
+
+@triton.jit
+def _add_silu_kernel(
+    a_ptr, b_ptr, idx_ptr, out_ptr, stride_a, stride_b, stride_out, cols_n,
+    GATHER: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    wait_for_inputs(USE_PDL, True)
+    row = tl.program_id(0).to(tl.int64)
+    b_row = tl.load(idx_ptr + row).to(tl.int64) if GATHER else row
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < cols_n
+    a = tl.load(a_ptr + row * stride_a + cols, mask=mask, other=0.0)
+    b = tl.load(b_ptr + b_row * stride_b + cols, mask=mask, other=0.0)
+    s = (a.to(tl.float32) + b.to(tl.float32)).to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, (s * tl.sigmoid(s)).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def add_silu(a: torch.Tensor, b: torch.Tensor, idx: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(a + b[idx]) [R, H] for a [R, H] and b [M, H] (rows may be strided; idx int64 [R], None: b's
+    rows in order, M = R)."""
+    rows, width = a.shape
+    if b.shape[-1] != width or a.stride(-1) != 1 or b.stride(-1) != 1:
+        raise ValueError(f"add_silu: a {tuple(a.shape)} and b {tuple(b.shape)}: same width, contiguous rows")
+    if idx is None and b.shape[0] != rows:
+        raise ValueError(f"add_silu: without idx b needs a's {rows} rows, got {b.shape[0]}")
+    out = torch.empty((rows, width), dtype=a.dtype, device=a.device)
+    if rows == 0:
+        return out
+    pdl = pdl_enabled(a.device)
+    _add_silu_kernel[(rows, triton.cdiv(width, BLOCK))](
+        a, b, idx if idx is not None else a, out, a.stride(0), b.stride(0), out.stride(0), width,
+        GATHER=idx is not None, BLOCK=BLOCK, USE_PDL=pdl, num_warps=4, launch_pdl=pdl,
+    )  # fmt: skip
+    return out

@@ -112,6 +112,23 @@ def test_gated_activation(env: Env, tokens: int, kind: str) -> None:
     close(out, getattr(torch_ops, kind)(x), env, 10)
 
 
+@pytest.mark.parametrize("rows,gather", [(1, False), (3, True), (5, False)])
+def test_add_silu_with_strided_rows_and_a_gathered_table(env: Env, rows: int, gather: bool) -> None:
+    """silu(a + b[idx]) of the MTP head's chain: a is one mask's column of [rows, k, H] (strided rows),
+    b a table whose rows idx picks (or b's rows in order)."""
+    width = 4096 if env.big else 1500
+    a = rand(env, rows, 4, width, seed=8, scale=3.0)[:, 2]
+    b = rand(env, 11 if gather else rows, width, seed=9, scale=3.0)
+    idx = torch.tensor([10, 0, 10][:rows], device=env.device) if gather else None
+    out = K["triton_act"].add_silu(a, b, idx)
+    want = torch_ops.add_silu(a, b, idx)
+    assert out.is_contiguous() and out.shape == want.shape
+    close(out, want, env, 10)
+    picked = b if idx is None else b[idx]
+    s = (a.float() + picked.float()).to(a.dtype).double()
+    close(out, (s * torch.sigmoid(s)).to(a.dtype), env, 10)
+
+
 # ----------------------------------------------------------------------------------------- KV cache
 
 

@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from engine.lora.adapter import ModuleShapes, check_adapter
 from engine.models.registry import config_from_dir, get_model_class
+from engine.spec.mtp_chain import DraftChain
 from engine.spec.mtp_head import check_mtp_dir, load_mtp_head, load_mtp_lora
 from scripts.make_mtp import target, write_mtp_dir
 
@@ -194,6 +195,56 @@ def test_drafts_over_a_draft_vocabulary_are_the_argmax_of_its_rows(family, tmp_p
     masked[:, ids] = full[:, ids]
     assert torch.equal(got, masked.argmax(-1))
     assert (got != full.argmax(-1)).any()  # the restriction changes some drafts
+
+
+def recompute_chain(head, model, masks, bonus, family):
+    """The k passes in float64, written here: pass i scores the draft vocabulary's rows of the LM head
+    for norm(h_i + fc2(silu(fc1([h_i, embed(p)])))), p the bonus, then the previous draft."""
+    w = {n: t.double() for n, t in head.state_dict().items()}
+    table = model.model.embed_tokens.weight.double()
+    scale = model.cfg.hidden_size**0.5 if family == "tiny-gemma3" else 1.0
+    rows = model.logits_weight().double()[head.draft_token_ids]
+    prev, out = bonus, []
+    for i in range(masks.shape[1]):
+        h = masks[:, i].double()
+        u = torch.cat([h, table[prev] * scale], dim=-1) @ w["sampler.fc1.weight"].T
+        z = h + (u * torch.sigmoid(u)) @ w["sampler.fc2.weight"].T
+        n = z / torch.sqrt(z.pow(2).mean(-1, keepdim=True) + head.eps) * w["sampler.norm.weight"]
+        prev = head.draft_token_ids[(n @ rows.T).argmax(-1)]
+        out.append(prev)
+    return torch.stack(out, dim=1)
+
+
+@pytest.mark.parametrize("family,fp8", [("tiny", False), ("tiny-gemma3", False), ("tiny", True)])
+def test_the_draft_chain_drafts_what_the_heads_passes_draft(family, fp8, tmp_path):
+    """DraftChain (fc1 in two halves, the draft vocabulary's half precomputed) gives the k drafts of a
+    float64 recompute of the passes (fp32 head) or of the head's own passes (fp8 head)."""
+    cfg = target(family)[0]
+    model = get_model_class(cfg.model_type)(cfg)
+    gen = torch.Generator().manual_seed(2)
+    for p in (model.model.embed_tokens.weight, *([] if model.lm_head is None else [model.lm_head.weight])):
+        p.copy_(torch.randn(p.shape, generator=gen))
+    out = write_mtp_dir(tmp_path / "c", family, 4, 4, dtype="fp32", draft_vocab_size=cfg.vocab_size // 4)
+    head = load_mtp_head(out, cfg, 4, torch.float32, "cpu")
+    with torch.no_grad():
+        head.sampler.fc2.weight.mul_(20.0)
+    head.bind_logits_weight(model.logits_weight())
+    if fp8:
+        head.quantize_fp8()
+    chain = DraftChain(head, model.embed)
+    masks = torch.randn(48, 4, cfg.hidden_size, generator=gen)
+    bonus = torch.randint(0, cfg.vocab_size, (48,), generator=gen)
+    got = chain.run(masks, bonus)
+    if fp8:
+        prev, want = bonus, []
+        for i in range(4):
+            prev = head.draft(masks[:, i], prev, model.embed, model.compute_logits)
+            want.append(prev)
+        want = torch.stack(want, dim=1)
+    else:
+        want = recompute_chain(head, model, masks, bonus, family)
+    assert got.shape == (48, 4) and torch.equal(got, want)
+    assert len(set(got[:, 1:].flatten().tolist())) > 8  # later passes follow their own previous drafts
 
 
 def test_an_adapter_that_does_not_fit_the_target_is_refused(cfg, good, tmp_path):

@@ -201,6 +201,7 @@ def test_drafts_equal_a_causal_recompute(tiny_model_dir, mtp_dir, vocab_dir, hea
     assert (ids is None) == (head == "whole vocabulary") and (runner.mtp_head.draft_weight is None) == (
         ids is None
     )
+    assert (runner.mtp.chain is None) == (ids is None)  # a draft vocabulary drafts through DraftChain
 
     def future(seq, kept, bonus):
         tokens = seq.token_ids[: seq.num_computed + 1] + seq.draft[:kept]
@@ -389,3 +390,31 @@ def test_spec_bench_adds_the_fp8_head_beside_the_last_mtp_head():
     assert [label for label, _, _ in spec_bench.configs(args)] == ["plain", "gated-LoRA MTP, k=4"]
     args.mtp_fp8 = True
     assert spec_bench.configs(args)[-1][1]["model"] == "/m"
+
+
+def test_spec_bench_pairs_each_engine_with_ngram_by_round_and_rep():
+    """--rounds: a figure is its median over rounds, and vs n-gram the median of the ratios of runs of
+    the same round and rep (hand-computed below); --mtp-heads last keeps only the last MTP engine."""
+    import argparse
+
+    from benchmarks import spec_bench
+
+    def row(config, rnd, runs):
+        return {"config": config, "alpha": "0.7", "batch": 1, "round": rnd, "tok_s": runs[-1], "runs": runs,
+                "acceptance": 0.4, "mean_emitted": 2.7}  # fmt: skip
+
+    mtp = "gated-LoRA MTP, k=4, fp8 head"
+    rows = [row("n-gram, k=4", 0, [500.0, 600.0]), row(mtp, 0, [400.0, 540.0]),
+            row("n-gram, k=4", 1, [400.0, 480.0]), row(mtp, 1, [360.0, 384.0]),
+            row("n-gram, k=2", 0, [100.0, 100.0])]  # fmt: skip
+    got = {r["config"]: r for r in spec_bench.summary(rows)}
+    # ratios 0.8, 0.9 (round 0) and 0.9, 0.8 (round 1): median 0.85; never against k=2
+    assert got[mtp]["vs_ngram"] == 0.85 and got[mtp]["rounds"] == [540.0, 384.0]
+    assert got[mtp]["tok_s"] == 462.0 and got["n-gram, k=4"]["vs_ngram"] is None
+    assert got["n-gram, k=2"]["tok_s"] == 100.0
+
+    args = argparse.Namespace(proposers=["ngram", "mtp"], ks=[4], alphas=[0.7], mtp_dir="/m",
+                              mtp_vocab_dir="/v", mtp_draft_vocab=32000, mtp_fp8=True,
+                              mtp_heads="last")  # fmt: skip
+    labels = [label for label, _, _ in spec_bench.configs(args)]
+    assert labels == ["plain", "n-gram, k=4", "gated-LoRA MTP, k=4, draft vocabulary 32000, fp8 head"]

@@ -33,7 +33,7 @@ import torch
 class TokenVisibility:
     """Which keys each packed row of a step sees, when that is not plain causal. [T] device tensors:
 
-      * ctx_lens (int32): row t sees its sequence's cache positions < ctx_lens[t] (block_tables);
+      * ctx_lens (int32 or int64): row t sees its sequence's cache positions < ctx_lens[t] (block_tables);
       * local_start, local_len (int32): and the keys of packed rows local_start[t] ...
         local_start[t] + local_len[t] - 1 of this step, read from the cache at their slot_mapping slots
         (a speculative mask token's K/V lives in a scratch slot, not at its position);

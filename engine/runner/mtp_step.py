@@ -11,7 +11,8 @@ tokens. What this module adds around the model's forward:
     at real rows are the base model's;
   * drafting: once verification has decided, on the device, how many proposals a row keeps (a) and the
     token after them (the bonus), the masks of group a turn into the next k drafts through the sampler
-    head, each conditioned on the token before it (the bonus, then the previous draft).
+    head, each conditioned on the token before it (the bonus, then the previous draft); with a draft
+    vocabulary as a DraftChain (engine/spec/mtp_chain.py).
 Steps whose every chunk is a full MTP chunk replay MtpGraphs (by batch size), and their drafting
 replays DraftGraphs (the k passes of the sampler head, by the same batch sizes); other steps with MTP
 chunks run eagerly; steps without take the engine's usual graphs.
@@ -26,7 +27,11 @@ from engine.device.uploader import Uploader
 from engine.models.attention_context import TokenVisibility, attention_context
 from engine.runner.cuda_graph import DecodeGraphs, eager_inputs
 from engine.runner.step_inputs import StepBatch, unpack
+from engine.spec.mtp_chain import DraftChain
 from engine.spec.mtp_head import MtpHead
+
+# with a draft vocabulary, the k passes run as a DraftChain (fc1 taken apart); off: the head's plain passes
+CHAIN = True
 
 
 def visibility_arrays(batch: StepBatch, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -56,6 +61,8 @@ class MtpStep:
         self.graphs: MtpGraphs | None = None  # captured on a GPU unless enforce_eager
         self.draft_graphs: DraftGraphs | None = None  # the drafting after a replay of `graphs`
         self.graphs_q = (k + 1) ** 2  # the query length of a full MTP chunk
+        self.chain = DraftChain(head, model.embed) if CHAIN and head.draft_weight is not None else None
+        self.columns = torch.arange(1, k + 1, device=head.mask_embeddings.device)  # m_i's offset from x_0
 
     def lora_rows(self, chunks: list, batch: StepBatch, adapter_rows: list[int] | None) -> list[int]:
         """Each row's LoRA slot: the gate's on mask rows, the request's adapter (or -1) on every other
@@ -104,11 +111,19 @@ class MtpStep:
         first = self.upload.values("mtp_first", batch.mtp_first, torch.long)
         return lambda accepted, bonus: self.drafts(hidden, first, accepted, bonus)
 
-    def drafts(self, hidden, first, accepted, bonus) -> torch.Tensor:
-        """The next k drafts [R, k] of chunks whose first rows are `first` [R] in `hidden`."""
-        columns = torch.arange(self.k, device=hidden.device)
-        m1 = first + accepted * (self.k + 1) + 1  # the row of m_1 after the last kept real token
-        masks = hidden.index_select(0, (m1[:, None] + columns).reshape(-1)).view(len(m1), self.k, -1)
+    def mask_offsets(self, first: torch.Tensor) -> torch.Tensor:
+        """[R, k]: the rows of m_1..m_k after the pending token of chunks whose first rows are `first`."""
+        return first[:, None] + self.columns
+
+    def drafts(self, hidden, first, accepted, bonus, offsets: torch.Tensor | None = None) -> torch.Tensor:
+        """The next k drafts [R, k] of chunks whose first rows are `first` [R] in `hidden` (`offsets`:
+        their mask_offsets, when already known)."""
+        offsets = self.mask_offsets(first) if offsets is None else offsets
+        # the masks after the last kept real token: group `accepted`, k + 1 rows per group
+        rows = torch.add(offsets, accepted[:, None], alpha=self.k + 1)
+        masks = hidden.index_select(0, rows.reshape(-1)).view(len(rows), self.k, -1)
+        if self.chain is not None:
+            return self.chain.run(masks, bonus)
         prev, out = bonus, []
         for i in range(self.k):
             prev = self.head.draft(masks[:, i], prev, self.model.embed, self.model.compute_logits)
@@ -140,19 +155,19 @@ class MtpGraphs(DecodeGraphs):
         self.group = row - offset  # each row's real token
         self.local_start = torch.where(offset > 0, self.group + 1, 0).to(torch.int32)
         self.local_len = offset.to(torch.int32)
+        self.ctx_shift = 1 - offset  # m_i sits at its real token's position + i and sees up to that token
         self.mask_rows = row[offset > 0]
-        self.mask_vectors_index = offset[offset > 0] - 1
+        self.mask_vectors = head.mask_embedding(offset[offset > 0] - 1)  # fixed per row: no kernel a step
 
     def _forward(self, key: int, shape: StepBatch) -> None:
         i64, i32 = self.inputs[key]
         args = (key, self.width, self.block_size, self.pad_q, None, False, True)
         ids, pos, meta = unpack(i64, i32, shape, *args)
         n, masks = ids.shape[0], key * self.k * (self.k + 1)
-        live = (meta.slot_mapping >= 0).to(torch.int32)
-        ctx = (pos.index_select(0, self.group[:n]) + 1).to(torch.int32) * live
-        meta.visibility = TokenVisibility(ctx, self.local_start[:n], self.local_len[:n] * live, pos)
-        vectors = self.head.mask_embedding(self.mask_vectors_index[:masks])
-        meta.embed_rows = (self.mask_rows[:masks], vectors)
+        # padding rows (slot -1) see no cache; their local rows have no slot either, so they read nothing
+        ctx = (pos + self.ctx_shift[:n]) * (meta.slot_mapping >= 0)
+        meta.visibility = TokenVisibility(ctx, self.local_start[:n], self.local_len[:n], pos)
+        meta.embed_rows = (self.mask_rows[:masks], self.mask_vectors[:masks])
         with attention_context(meta):
             self.hidden[:n] = self.model(ids, pos)
 
@@ -174,13 +189,15 @@ class DraftGraphs:
         self.step, self.hidden, self.buckets = step, graphs.hidden, graphs.buckets
         top, device = max(graphs.buckets), graphs.hidden.device
         self.first = torch.arange(top, device=device) * step.graphs_q
+        self.offsets = step.mask_offsets(self.first)
         self.accepted = torch.zeros(top, dtype=torch.long, device=device)
         self.bonus = torch.zeros(top, dtype=torch.long, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.out: dict[int, torch.Tensor] = {}
 
     def _draft(self, b: int) -> torch.Tensor:
-        return self.step.drafts(self.hidden, self.first[:b], self.accepted[:b], self.bonus[:b])
+        step, accepted, bonus = self.step, self.accepted[:b], self.bonus[:b]
+        return step.drafts(self.hidden, self.first[:b], accepted, bonus, self.offsets[:b])
 
     @torch.inference_mode()
     def capture(self, pool) -> None:
