@@ -230,6 +230,34 @@ def test_drafts_equal_a_causal_recompute(tiny_model_dir, mtp_dir, vocab_dir, hea
         assert set(t for row in checked for t in row) <= set(ids.tolist())
 
 
+def test_the_draft_chains_table_exists_before_the_kv_pool_is_sized(tiny_model_dir, vocab_dir, monkeypatch):
+    """The DraftChain's table takes N x H elements of device memory: it is built before the KV pool is
+    planned from what is left, never after."""
+    from engine.runner import model_runner
+
+    seen = []
+    plan = model_runner.plan_kv_cache
+
+    def recording_plan(*args, **kwargs):
+        seen.append(len(built))  # how many tables existed when this pool was planned
+        return plan(*args, **kwargs)
+
+    built = []
+    original = mtp_setup.DraftChain
+
+    class RecordingChain(original):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            built.append(len(seen))  # how many pools had been planned when this table was built
+
+    monkeypatch.setattr(model_runner, "plan_kv_cache", recording_plan)
+    monkeypatch.setattr(mtp_setup, "DraftChain", RecordingChain)
+    runner = make_llm(tiny_model_dir, mtp(vocab_dir)).engine.runner
+    assert built == [0] and seen == [1] and isinstance(runner.mtp.chain, RecordingChain)
+    ids, hidden = runner.mtp_head.draft_token_ids, runner.model_config.hidden_size
+    assert runner.mtp.chain.table.shape == (len(ids), hidden)
+
+
 @pytest.mark.parametrize("quantization", [None, "fp8"])
 def test_a_draft_vocabulary_keeps_greedy_output(tiny_model_dir, vocab_dir, plain_runs, quantization):
     prompts, params, plain, _ = plain_runs

@@ -14,12 +14,15 @@ from engine.lora.layers import LoRALinear, wrap_model
 from engine.runner.graph_sets import max_graph_batch
 from engine.runner.kv_cache import KVCacheSpec
 from engine.runner.mtp_step import MtpGraphs
+from engine.spec.mtp_chain import DraftChain
 from engine.spec.mtp_head import MtpDir, MtpHead, check_mtp_dir, load_mtp_head, load_mtp_lora
 
 log = logging.getLogger(__name__)
 # where the gate's A joins the base GEMM: on CUDA its separate shrink costs more than the wider GEMM; the
 # CPU keeps the separate shrink, so real rows stay bit-identical to the base model there
 FOLD_DEVICES = ("cuda",)
+# with a draft vocabulary the head's k passes run as a DraftChain (fc1 split, a table over the vocabulary)
+DRAFT_CHAIN = True
 
 
 def _mtp_spec(config: EngineConfig):
@@ -30,7 +33,8 @@ def _mtp_spec(config: EngineConfig):
 
 def load_head(config: EngineConfig, model, model_config, dtype: torch.dtype, device) -> MtpHead | None:
     """The checked head of an MTP engine, else None; its draft vocabulary (if any) bound to the LM head
-    of `model`, unless `model` is a tensor-parallel share (the head then drafts over every token)."""
+    of `model`, unless `model` is a tensor-parallel share (the head then drafts over every token), and
+    then drafting through `head.chain`, a DraftChain."""
     if (spec := _mtp_spec(config)) is None:
         return None
     head = load_mtp_head(spec.model, model_config, spec.num_speculative_tokens, dtype, device)
@@ -40,6 +44,8 @@ def load_head(config: EngineConfig, model, model_config, dtype: torch.dtype, dev
         log.info("gated_lora_mtp: drafting over the whole vocabulary (rank 0 holds a share of the LM head)")
     if spec.quantization == "fp8":
         head.quantize_fp8()
+    if DRAFT_CHAIN and head.draft_weight is not None:  # before the KV pool is sized: its table takes memory
+        head.chain = DraftChain(head, model.embed)
     return head
 
 

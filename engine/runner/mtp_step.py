@@ -27,11 +27,7 @@ from engine.device.uploader import Uploader
 from engine.models.attention_context import TokenVisibility, attention_context
 from engine.runner.cuda_graph import DecodeGraphs, eager_inputs
 from engine.runner.step_inputs import StepBatch, unpack
-from engine.spec.mtp_chain import DraftChain
 from engine.spec.mtp_head import MtpHead
-
-# with a draft vocabulary, the k passes run as a DraftChain (fc1 taken apart); off: the head's plain passes
-CHAIN = True
 
 
 def visibility_arrays(batch: StepBatch, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -61,7 +57,7 @@ class MtpStep:
         self.graphs: MtpGraphs | None = None  # captured on a GPU unless enforce_eager
         self.draft_graphs: DraftGraphs | None = None  # the drafting after a replay of `graphs`
         self.graphs_q = (k + 1) ** 2  # the query length of a full MTP chunk
-        self.chain = DraftChain(head, model.embed) if CHAIN and head.draft_weight is not None else None
+        self.chain = head.chain  # with a draft vocabulary (engine/runner/mtp_setup.py), else None
         self.columns = torch.arange(1, k + 1, device=head.mask_embeddings.device)  # m_i's offset from x_0
 
     def lora_rows(self, chunks: list, batch: StepBatch, adapter_rows: list[int] | None) -> list[int]:

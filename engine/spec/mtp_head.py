@@ -111,6 +111,7 @@ class MtpHead(nn.Module):
         self.register_buffer(DRAFT_IDS, ids)
         self.draft_weight: torch.Tensor | None = None
         self.fp8: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # quantize_fp8: (qweight, scale) by use
+        self.chain = None  # engine.spec.mtp_chain.DraftChain once set up (with a draft vocabulary)
 
     def bind_logits_weight(self, weight: torch.Tensor) -> None:
         """Keep the draft vocabulary's rows of the target's LM head `weight` [V, H] (a copy of N rows);
