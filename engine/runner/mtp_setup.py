@@ -46,6 +46,9 @@ def load_head(config: EngineConfig, model, model_config, dtype: torch.dtype, dev
         head.quantize_fp8()
     if DRAFT_CHAIN and head.draft_weight is not None:  # before the KV pool is sized: its table takes memory
         head.chain = DraftChain(head, model.embed)
+        table = head.chain.table
+        log.info("gated_lora_mtp: the sampler head's table over %d draft tokens takes %.0f MiB",
+                 table.shape[0], table.numel() * table.element_size() / 2**20)  # fmt: skip
     return head
 
 
