@@ -133,16 +133,14 @@ def configs(args) -> list[tuple[str, dict | None, list]]:
             out.append((f"draft {args.draft}, k={k}", cfg, alphas))
         if "mtp" in args.proposers:
             label = f"gated-LoRA MTP, k={k}"
-            out.append((label, mtp_config(args, k), alphas))
+            heads = [(label, mtp_config(args, k), alphas)]
             if args.mtp_draft_vocab:
                 label = f"gated-LoRA MTP, k={k}, draft vocabulary {args.mtp_draft_vocab}"
-                out.append((label, mtp_config(args, k, vocab=True), alphas))
+                heads.append((label, mtp_config(args, k, vocab=True), alphas))
             if args.mtp_fp8:  # the last MTP head above, its weights in float8
                 cfg = mtp_config(args, k, vocab=bool(args.mtp_draft_vocab), quantization="fp8")
-                out.append((f"{label}, fp8 head", cfg, alphas))
-            if getattr(args, "mtp_heads", "all") == "last":  # only the last of those MTP engines
-                mtp = [i for i, (name, _, _) in enumerate(out) if name.startswith("gated-LoRA MTP")]
-                out = [c for i, c in enumerate(out) if i not in mtp[:-1]]
+                heads.append((f"{label}, fp8 head", cfg, alphas))
+            out += heads[-1:] if getattr(args, "mtp_heads", "all") == "last" else heads  # last: this k's last
     return out
 
 

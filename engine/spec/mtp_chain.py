@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import torch
 
+from engine.spec.mtp_head import FP8Weight, head_linear
 from kernels import ops
 
 TABLE_CHUNK = 4096  # draft tokens per product while building the table (bounds the temporary embeddings)
@@ -28,15 +29,12 @@ TABLE_CHUNK = 4096  # draft tokens per product while building the table (bounds 
 class _Half:
     """One column half of fc1, float or float8 (the head's quantize_fp8 row scales hold for both)."""
 
-    def __init__(self, weight: torch.Tensor, fp8: tuple[torch.Tensor, torch.Tensor] | None, cols: slice):
+    def __init__(self, weight: torch.Tensor, fp8: FP8Weight | None, cols: slice):
         self.weight = weight[:, cols].contiguous() if fp8 is None else None
         self.fp8 = None if fp8 is None else (fp8[0][:, cols].contiguous(), fp8[1])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fp8 is None:
-            return ops.linear(x, self.weight)
-        qweight, scale = self.fp8
-        return ops.quant_linear(x, qweight, scale, None, None, "channel", None)
+        return head_linear(x, self.weight, self.fp8)
 
 
 class DraftChain:

@@ -93,6 +93,20 @@ class _Weight(nn.Module):
         self.weight = nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
+FP8Weight = tuple[torch.Tensor, torch.Tensor]  # (qweight, per-row scales)
+
+
+def head_linear(
+    x: torch.Tensor, weight: torch.Tensor | None, fp8: FP8Weight | None, silu: bool = False
+) -> torch.Tensor:
+    """x @ weight^T (silu of it); with `fp8` = (qweight, row scales) through the float8 weights instead,
+    whose batch-1 GEMV applies the silu in its store."""
+    if fp8 is None:
+        y = ops.linear(x, weight)
+        return F.silu(y) if silu else y
+    return ops.quant_linear(x, fp8[0], fp8[1], None, None, "channel", None, silu=silu)
+
+
 class MtpHead(nn.Module):
     """The mask embeddings and the sampler head; its state_dict keys are mtp_head.safetensors' names."""
 
@@ -129,13 +143,8 @@ class MtpHead(nn.Module):
             self.draft_weight = self.fp8["draft"][0]  # the model-dtype copy of N LM-head rows is freed
 
     def _linear(self, x: torch.Tensor, name: str, weight: torch.Tensor, silu: bool = False) -> torch.Tensor:
-        """x @ weight^T (silu of it), through its float8 copy after quantize_fp8, whose batch-1 GEMV
-        applies the silu in its store."""
-        if name not in self.fp8:
-            y = ops.linear(x, weight)
-            return F.silu(y) if silu else y
-        qweight, scale = self.fp8[name]
-        return ops.quant_linear(x, qweight, scale, None, None, "channel", None, silu=silu)
+        """x @ weight^T (silu of it), through its float8 copy after quantize_fp8."""
+        return head_linear(x, weight, self.fp8.get(name), silu)
 
     def mask_embedding(self, index: torch.Tensor) -> torch.Tensor:
         """The input vectors [..., H] of mask positions m_{index + 1} (index: 0-based, < num_mask_tokens)."""
