@@ -11,8 +11,10 @@ request (so Serve's router picks the replica). Items are plain dicts (cheap to p
   ApiError                            first and only, when it did not (overload, bad prompt, ...);
   {"kind": "output", ...}             see `to_wire`; the one with finished=True is the last.
 
-Per engine step, the client's reader thread hands this replica's event loop ONE call with every
-request's output (`_fan_out`), which appends to each stream's buffer and wakes it.
+Per engine step, the client's reader thread stashes every request's token ids (deferred text,
+engine/core_client.py) and hands this replica's event loop ONE call with a note per request
+(`_fan_out`), which wakes its stream. A stream turns what was stashed into text only when it sends an
+item (`CoreClient.take`), so text work is paid per item, not per step.
 
 Streaming cost: every yielded item is one Ray object, and the HTTP proxy handles every SSE event, so
 items are coalesced by load (`Pacer`): the first output of a stream is yielded at once (TTFT); later
@@ -32,6 +34,7 @@ import sys
 import threading
 import time
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 import ray
 from ray import serve
@@ -48,8 +51,10 @@ from app.tp_placement import core_env
 from engine import LoRARequest
 from engine.config import EngineConfig
 from engine.errors import EngineError, PromptTooLongError
-from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.core_client import StepNote  # the replica imports the client itself (see __init__)
 
 logger = logging.getLogger("ray.serve")
 ITL_FLUSH_S = 0.1
@@ -90,7 +95,9 @@ class EngineDeployment:
         sys.setswitchinterval(SWITCH_INTERVAL_S)
         config = EngineConfig.from_kwargs(model, **engine_options)
         env = core_env(config.tensor_parallel_size)  # with TP on GPUs: every rank's GPU, rank 0's first
-        self.engine = CoreClient(config, self._on_step, null_core_step_ms, False, prefix_summary, env)
+        self.engine = CoreClient(
+            config, self._on_step, null_core_step_ms, False, prefix_summary, env, deferred_text=True
+        )
         self._limit, self._retry_after = max_ongoing_requests, retry_after_s
         self._pacer = Pacer(stream_interval_ms / 1000.0, stream_items_per_s)
         self._name = served_model_name or self.engine.model_name
@@ -134,7 +141,7 @@ class EngineDeployment:
         finished = False
         try:
             yield {"kind": "accepted", "request_id": rid, **facts}
-            async for item in self._coalesce(stream):
+            async for item in self._coalesce(stream, rid):
                 finished = item["finished"]
                 yield item
         finally:
@@ -235,20 +242,25 @@ class EngineDeployment:
         self._flush_scheduled = False
         self.engine.flush()
 
-    async def _coalesce(self, stream: Stream) -> AsyncIterator[dict]:
+    async def _coalesce(self, stream: Stream, rid: str) -> AsyncIterator[dict]:
         """Yield the first output at once, then whatever arrived by the end of each stream interval."""
         last_yield: float | None = None
         while True:
             await stream.wake.wait()
             if stream.abandoned:
                 return
-            if last_yield is not None and not stream.outs[-1].finished:
+            if last_yield is not None and not stream.final:
                 delay = last_yield + self._pacer.interval(len(self._streams)) - time.perf_counter()
                 if delay > 0:
                     await asyncio.sleep(delay)
-            outs, stream.outs = stream.outs, []
             stream.wake.clear()
-            item = to_wire(outs, self._token_text)
+            out = self.engine.take(rid)
+            if out is None:
+                continue  # an earlier take already sent what this wake announced
+            if out.finished:
+                self._metrics.observe_finished(out, stream.received)
+                log_finished(out, stream.received, stream.sent)
+            item = to_wire([out], self._token_text)
             if stream.gaps:  # one ITL observation per item: the mean gap of the steps it carries
                 self._metrics.observe_itl(stream.gap_sum / stream.gaps)
                 stream.gap_sum, stream.gaps = 0.0, 0
@@ -258,30 +270,27 @@ class EngineDeployment:
                 return
 
     # ------------------------------------------------------------------ engine outputs, once per step
-    def _on_step(self, outputs: list[RequestOutput]) -> None:
+    def _on_step(self, notes: list[StepNote]) -> None:
         """Called on the client's reader thread: one hop to the event loop for the whole step."""
         loop = self._loop
         if loop is None:
             return  # no request was ever submitted through this replica's loop
         try:
-            loop.call_soon_threadsafe(self._fan_out, outputs, time.perf_counter())
+            loop.call_soon_threadsafe(self._fan_out, notes, time.perf_counter())
         except RuntimeError:  # the loop is closed: the replica is shutting down
             pass
 
-    def _fan_out(self, outputs: list[RequestOutput], arrived: float) -> None:
-        for out in outputs:
-            stream = self._streams.get(out.request_id)
+    def _fan_out(self, notes: list[StepNote], arrived: float) -> None:
+        for note in notes:
+            stream = self._streams.get(note.request_id)
             if stream is None:
                 continue  # the stream ended meanwhile (cancelled)
-            if any(d.token_ids for d in out.outputs):
+            if note.tokens:
                 if stream.prev_token_t is not None:
                     stream.gap_sum += arrived - stream.prev_token_t
                     stream.gaps += 1
                 stream.prev_token_t = arrived
-            if out.finished:
-                self._metrics.observe_finished(out, stream.received)
-                log_finished(out, stream.received, stream.sent)
-            stream.outs.append(out)
+            stream.final = stream.final or note.finished
             stream.wake.set()
 
     def _token_text(self, token_id: int) -> str:

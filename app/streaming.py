@@ -92,14 +92,14 @@ class Pacer:
 
 
 class Stream:
-    """One request's outputs waiting to be yielded; filled by `_fan_out` on the event loop."""
+    """One request's stream: woken by `_fan_out` on the event loop when the engine has more for it."""
 
-    __slots__ = ("outs", "wake", "prev_token_t", "gap_sum", "gaps", "received", "sent", "abandoned")
+    __slots__ = ("final", "wake", "prev_token_t", "gap_sum", "gaps", "received", "sent", "abandoned")
 
     def __init__(self, received: float = 0.0, sent: float | None = None) -> None:
         self.received = received  # time.time() when this replica got the request (engine TTFT origin)
         self.sent = sent  # time.time() when the ingress called this replica (None: not told)
-        self.outs: list[RequestOutput] = []
+        self.final = False  # the engine ended the request: its last item goes without waiting
         self.wake = asyncio.Event()
         self.prev_token_t: float | None = None  # when the last step that brought tokens reached us
         self.gap_sum, self.gaps = 0.0, 0  # inter-token gaps since the last yield

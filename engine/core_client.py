@@ -14,6 +14,10 @@ turns them into text here (engine/output/text.TextStream: detokenization and sto
 back to the core as StopSample), builds the RequestOutputs and hands the whole step's list to
 `on_step` in one call.
 
+With deferred_text (a server whose streams send one item per several steps), the reader only stashes
+each record and hands `on_step` a StepNote per request; the consumer calls `take(request_id)` when it
+is about to send (engine/core/deferred_text.py).
+
 Transport: multiprocessing.connection over a Unix socketpair with pickled messages
 (engine/core/messages.py; stdlib, no extra dependency). A step message grows by a few dozen bytes per
 record; what it costs the core to send: `python -m benchmarks.core_transport` (benchmarks/reports/).
@@ -36,6 +40,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 from engine.config import EngineConfig
+from engine.core.deferred_text import StepNote, stash_step, take_output
 from engine.core.faults import FaultInjector
 from engine.core.live_request import LiveRequest
 from engine.core.messages import (
@@ -67,7 +72,8 @@ from engine.tokenizer import Tokenizer
 
 log = logging.getLogger("engine")
 ROOT = Path(__file__).resolve().parents[1]
-OnStep = Callable[[list[RequestOutput]], None]
+OnStep = Callable[[list], None]  # list[RequestOutput], or list[StepNote] with deferred_text
+__all__ = ["CoreClient", "OnStep", "StepNote"]
 
 
 class CoreClient:
@@ -79,13 +85,16 @@ class CoreClient:
         autoflush: bool = True,
         prefix_summary: bool = False,
         env: dict[str, str] | None = None,
+        deferred_text: bool = False,
     ):
         """prefix_summary: the core publishes its prefix cache's summary (`prefix_summary()`), for
         prefix-aware routing; without it the core never builds one. env: variables set in the core's
-        environment (and its tensor-parallel workers'), e.g. the GPUs of a server's placement group."""
+        environment (and its tensor-parallel workers'), e.g. the GPUs of a server's placement group.
+        deferred_text: on_step gets StepNotes, and outputs come from `take` (module docstring)."""
         self.tokenizer = Tokenizer.from_dir(config.load.model)
         self.model_name = config.load.model.rstrip("/").split("/")[-1]
         self._on_step = on_step
+        self._deferred = deferred_text
         self._fault = FaultInjector(config.fault_injection, self.tokenizer.decode).checker()
         self._live: dict[str, LiveRequest] = {}
         self._lock = threading.Lock()
@@ -269,7 +278,24 @@ class CoreClient:
             self._prefix_summary = summary
         self._stats = stats
 
-    def _outputs(self, records: Records) -> list[RequestOutput]:
+    def take(self, request_id: str) -> RequestOutput | None:
+        """deferred_text: the output of what the request got since the last take (None: nothing, or
+        it was aborted). Call it from one thread."""
+        live = self._live.get(request_id)
+        if live is None:
+            return None
+        out, commands = take_output(live, self._fault, time.time())
+        if out is not None and out.finished:
+            self._live.pop(request_id, None)
+        if commands:
+            with self._lock:
+                self._outbox += commands
+            self.flush()
+        return out
+
+    def _outputs(self, records: Records) -> list:
+        if self._deferred:
+            return stash_step(self._live, records, time.time())
         now = time.time()
         outputs, stops = [], []
         for rid, samples, finished, cached, final_metrics, prompt_logprobs in records.unpacked():
@@ -317,6 +343,13 @@ class CoreClient:
             self.death = message
             live, self._live = self._live, {}
         log.error("engine core died: %s", message)
+        if self._deferred:  # `take` must still find them: back into the table, failed
+            for r in live.values():
+                r.failure = message
+            with self._lock:
+                self._live.update(live)
+            self._deliver([StepNote(rid, False, True) for rid in live])
+            return
         now = time.time()
         self._deliver([r.fail(message, now) for r in live.values()])
 

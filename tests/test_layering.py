@@ -342,6 +342,7 @@ def test_what_app_takes_from_the_engine_today():
         ("engine", "prompt_block_hashes"),
         ("engine.config", "EngineConfig"),
         ("engine.core_client", "CoreClient"),
+        ("engine.core_client", "StepNote"),
         ("engine.errors", "EngineDeadError"),
         ("engine.errors", "EngineError"),
         ("engine.errors", "InvalidRequestError"),

@@ -214,3 +214,23 @@ def test_rust_stream_cuts_runs_of_invalid_bytes(llama):
     deltas = [detok.push(lone_continuation) for _ in range(200)]
     assert [i for i, d in enumerate(deltas) if d] == list(range(MAX_PENDING, 200, MAX_PENDING + 1))
     assert detok.text + detok.flush() == llama.decode([lone_continuation] * 200)
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-qwen3", "tiny-gemma3"])
+def test_push_many_mixed_with_push_gives_the_text(dirs, name):
+    """Deferred text pushes runs of ids at once, between single pushes: on encoded text whose characters
+    split across tokens and across runs, the deltas add up to the text, with no replacement character,
+    after a prompt and across flushes, as the per-token path's do."""
+    tok = Tokenizer.from_dir(dirs[name])
+    rng = random.Random(name)
+    for text in TEXTS * 4:
+        prompt = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(0, 9))]
+        ids = tok.encode(text, add_special_tokens=False)
+        detok, deltas, i = IncrementalDetokenizer(tok, prompt_ids=prompt), [], 0
+        while i < len(ids):
+            run = ids[i : i + rng.randint(1, 14)]
+            i += len(run)
+            deltas.append(detok.push_many(run) if len(run) > 1 else detok.push(run[0]))
+        deltas.append(detok.flush())
+        assert "".join(deltas) == text == detok.text
+        assert not any("\ufffd" in d for d in deltas)

@@ -5,10 +5,16 @@ text, the way LLMEngine.step() does in-process: the same TextStream per sample, 
 strings and the finish reasons are the same. A stop string found here ends the sample at once (later
 tokens the core made before it heard of the stop are dropped) and is queued for the core
 (`take_stops`), which then frees the sample's KV blocks.
+
+Deferred text (a server's reader thread, engine/core_client.py): `stash` keeps each step's record as it
+came, and `take` turns everything stashed since the last take into one RequestOutput, when the stream
+is about to send it. A stream that sends one item per several steps then pays for one text update, not
+one per step; the text is the same, since detokenization and stop strings see the same ids in order.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 from engine.core.faults import Check
@@ -37,6 +43,10 @@ class LiveRequest:
         self._tokenizer = tokenizer
         self._samples: dict[int, _Sample] = {}
         self._stops: list[int] = []
+        # deferred text: records stashed by the reader thread, taken on the server's event loop (a deque:
+        # append and popleft are atomic, so the two threads need no lock); `failure`: the request failed
+        self._inbox: deque[tuple] = deque()
+        self.failure: str | None = None
 
     def absorb(
         self,
@@ -66,6 +76,33 @@ class LiveRequest:
         output = self._output(deltas, finished, now)
         output.prompt_logprobs = prompt_logprobs
         return output
+
+    def stash(
+        self, samples: list, finished: bool, cached: int, final_metrics, now: float, prompt_logprobs=None
+    ):
+        """Keep one core record for `take` (deferred text); the first token's time is stamped as it comes."""
+        if any(s[1] for s in samples):
+            self.metrics.first_token_time = self.metrics.first_token_time or now
+        self._inbox.append((samples, finished, cached, final_metrics, now, prompt_logprobs))
+
+    def take(self, fault: Check | None) -> RequestOutput | None:
+        """The RequestOutput of every record stashed since the last take (None: nothing new), absorbed
+        at once: the records' samples merged per index, the other fields as their last (or only) value."""
+        records = []
+        while self._inbox:  # popleft, not a swap: a record the reader appends meanwhile stays queued
+            records.append(self._inbox.popleft())
+        if not records:
+            return None
+        finished = any(r[1] for r in records)
+        cached = next((r[2] for r in reversed(records) if r[2]), 0)
+        final_metrics = next((r[3] for r in records if r[3] is not None), None)
+        prompt_logprobs = next((r[5] for r in records if r[5] is not None), None)
+        last_token = next((r[4] for r in reversed(records) if any(s[1] for s in r[0])), None)
+        samples = merge_samples([r[0] for r in records])
+        out = self.absorb(samples, finished, cached, final_metrics, records[-1][4], fault, prompt_logprobs)
+        if last_token is not None:
+            self.metrics.last_token_time = last_token
+        return out
 
     def _delta(self, index, ids, masks, logprobs, reason, error, stop_token) -> CompletionDelta | None:
         sample = self._sample(index)
@@ -122,3 +159,23 @@ class LiveRequest:
             self.cached_tokens,
             self.metrics,
         )
+
+
+def merge_samples(steps: list[list]) -> list[list]:
+    """Several steps' samples (rows of Sample's fields) as one step's: per sample index, in the order
+    first seen, the ids, masks and logprobs concatenated; the finish fields from its last row (a sample
+    ends in its last row: the core sends nothing for it afterwards)."""
+    merged: dict[int, list] = {}
+    for samples in steps:
+        for index, ids, masks, logprobs, reason, error, stop_token in samples:
+            m = merged.get(index)
+            if m is None:
+                logprobs = None if logprobs is None else list(logprobs)
+                merged[index] = [index, list(ids), list(masks), logprobs, reason, error, stop_token]
+                continue
+            m[1] += ids
+            m[2] += masks
+            if logprobs is not None:
+                m[3] = (m[3] or []) + list(logprobs)
+            m[4], m[5], m[6] = reason, error, stop_token
+    return list(merged.values())

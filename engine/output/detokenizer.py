@@ -75,9 +75,10 @@ class IncrementalDetokenizer:
         full_text = self._decode(self._ids[self._prefix_offset :])
         return full_text[len(prefix_text) :]
 
-    def _emit(self, delta: str) -> str:
+    def _emit(self, delta: str, end: int | None = None) -> str:
+        """Emit `delta`, the text of ids up to `end` (all of them by default)."""
         self._prefix_offset = self._read_offset
-        self._read_offset = len(self._ids)
+        self._read_offset = len(self._ids) if end is None else end
         if delta:
             self._parts.append(delta)
             self._text_cache = None
@@ -104,6 +105,23 @@ class IncrementalDetokenizer:
         if not delta or delta.endswith(REPLACEMENT_CHAR):
             return ""  # nothing new yet (a skipped special token), or a character still missing bytes
         return self._emit_here(delta)
+
+    def push_many(self, token_ids: list[int]) -> str:
+        """Several ids at once, for a caller that needs no text between them (no stop strings): decodes
+        of the window here instead of a stream step per id. When the text ends inside a character, the
+        text before that character's tokens (at most 3) is emitted and they wait for the next push, as
+        in `push`; the Rust stream restarts at the next single push."""
+        self._ids += map(int, token_ids)
+        self._stream = None  # its window is behind: `push` decodes here, then restarts it at the boundary
+        end, start = len(self._ids), self._read_offset
+        prefix_text = self._decode(self._ids[self._prefix_offset : start])
+        for cut in range(end, max(start, end - 4), -1):  # drop up to 3 trailing ids: a 4-byte character's
+            delta = self._decode(self._ids[self._prefix_offset : cut])[len(prefix_text) :]
+            if delta and not delta.endswith(REPLACEMENT_CHAR):
+                return self._emit(delta, cut)
+        if end - start - len(token_ids) > MAX_PENDING:  # held back too long: invalid bytes, as in `push`
+            return self._emit(self._pending_text())
+        return ""
 
     def flush(self) -> str:
         """Emit whatever is held back (at the end of generation); later pushes continue from here."""

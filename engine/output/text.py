@@ -31,6 +31,9 @@ class TextStream:
         were taken (up to and including that one); the rest, and any later tokens, are ignored."""
         if self.stopped:
             return 0
+        if not self.stop and len(token_ids) > 1:  # no stop string to place: the ids' text at once
+            self.text += self.detok.push_many(token_ids)
+            return None
         for taken, token in enumerate(token_ids, 1):
             self.text += self.detok.push(token)
             if self.stop and self._cut_stop_string():
