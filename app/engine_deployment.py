@@ -85,17 +85,15 @@ class EngineDeployment:
         self._streams: dict[str, Stream] = {}
         self._early_aborts = EarlyAborts()
         self._node_id = ray.get_runtime_context().get_node_id()  # stats: where Ray placed this replica
-        # the accelerator this replica computes on: replicas that share one (fractional num_gpus, or CPU
-        # replicas of one host) share its queue of work, and the router adds their pending work up
+        # replicas sharing an accelerator share its queue of work: the router adds their pending work up
         gpus = ",".join(str(g) for g in ray.get_gpu_ids())
         self._device_key = f"{self._node_id}:{gpus or 'cpu'}"
         self._flush_scheduled = False
-        # Several threads share this process's GIL (the event loop, the core client's reader, Ray's own):
-        # a thread woken by I/O should not wait the default 5 ms for the running one to yield.
+        # threads share the GIL (event loop, core reader, Ray's): one woken by I/O should not wait 5 ms
         sys.setswitchinterval(SWITCH_INTERVAL_S)
         config = EngineConfig.from_kwargs(model, **engine_options)
         env = core_env(config.tensor_parallel_size)  # with TP on GPUs: every rank's GPU, rank 0's first
-        self.engine = CoreClient(
+        self.engine = CoreClient(  # deferred text: streams detokenize when they send
             config, self._on_step, null_core_step_ms, False, prefix_summary, env, deferred_text=True
         )
         self._limit, self._retry_after = max_ongoing_requests, retry_after_s

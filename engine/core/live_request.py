@@ -78,8 +78,14 @@ class LiveRequest:
         return output
 
     def stash(
-        self, samples: list, finished: bool, cached: int, final_metrics, now: float, prompt_logprobs=None
-    ):
+        self,
+        samples: list,
+        finished: bool,
+        cached: int,
+        final_metrics: FinalMetrics | None,
+        now: float,
+        prompt_logprobs: list[TokenLogprob | None] | None = None,
+    ) -> None:
         """Keep one core record for `take` (deferred text); the first token's time is stamped as it comes."""
         if any(s[1] for s in samples):
             self.metrics.first_token_time = self.metrics.first_token_time or now
