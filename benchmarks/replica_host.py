@@ -33,37 +33,9 @@ VOCAB = 128_256
 WARMUP = 20
 
 
-def token_times(tokenizer_dir: str, streams: int, steps: int, text: bool) -> list[float]:
-    """Seconds per token of LiveRequest.absorb, one step of `streams` requests at a time."""
-    import random
-    import time
-
-    from engine.core.live_request import LiveRequest
-    from engine.sampling_params import SamplingParams
-    from engine.tokenizer import Tokenizer
-
-    tok = Tokenizer.from_dir(tokenizer_dir)
-    rng = random.Random(0)
-    words = tok.encode("The river keeper wrote in his log every evening, long after the last ship. " * 200)
-    params = SamplingParams(max_tokens=10**6)
-    live = [
-        LiveRequest(str(i), [rng.randrange(tok.vocab_size) for _ in range(500)], params, 0.0, tok)
-        for i in range(streams)
-    ]
-    times = []
-    for step in range(WARMUP + steps):
-        ids = [
-            words[(step + i) % len(words)] if text else rng.randrange(tok.vocab_size) for i in range(streams)
-        ]
-        t0 = time.perf_counter()
-        for request, token in zip(live, ids):
-            request.absorb([(0, [token], [], None, None, None, False)], False, 0, None, 0.0, None)
-        times.append((time.perf_counter() - t0) / streams)
-    return times[WARMUP:]
-
-
-def deferred_times(tokenizer_dir: str, streams: int, steps: int, text: bool, every: int) -> list[float]:
-    """Seconds per token of stash every step plus take every `every` steps, one step at a time."""
+def token_times(tokenizer_dir: str, streams: int, steps: int, text: bool, every: int = 0) -> list[float]:
+    """Seconds per token, one step of `streams` requests at a time: LiveRequest.absorb every step, or
+    (every = K > 0, deferred text) stash every step plus take every K steps."""
     import random
     import time
 
@@ -86,7 +58,11 @@ def deferred_times(tokenizer_dir: str, streams: int, steps: int, text: bool, eve
         ]
         t0 = time.perf_counter()
         for i, (request, token) in enumerate(zip(live, ids)):
-            request.stash([(0, [token], [], None, None, None, False)], False, 0, None, 1.0)
+            sample = [(0, [token], [], None, None, None, False)]
+            if not every:
+                request.absorb(sample, False, 0, None, 0.0, None)
+                continue
+            request.stash(sample, False, 0, None, 1.0)
             if (step + i) % every == 0:
                 request.take(None)
         times.append((time.perf_counter() - t0) / streams)
@@ -138,12 +114,11 @@ def deferred_main(args, argv: list[str] | None) -> None:
         tok = make_tokenizer(Path(tmp))
         for _ in range(args.reps):
             for n in streams:
-                runs["absorb"][str(n)].append(
-                    run_source(root, token_times, (tok, n, args.steps, args.text), f"WARMUP = {WARMUP}")
-                )
-                for k in every:
+                for k in [0, *every]:
                     call = (tok, n, args.steps, args.text, k)
-                    runs[str(k)][str(n)].append(run_source(root, deferred_times, call, f"WARMUP = {WARMUP}"))
+                    runs[str(k or "absorb")][str(n)].append(
+                        run_source(root, token_times, call, f"WARMUP = {WARMUP}")
+                    )
     best = {k: {n: min(v) for n, v in by.items()} for k, by in runs.items()}
     facts = {"streams": streams, "reps": args.reps, "take_every": every, "runs": runs, "us": best}
     trees = make_trees(None)

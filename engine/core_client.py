@@ -27,6 +27,7 @@ also when it fails, or when the core dies (the error says why).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
@@ -42,7 +43,7 @@ from pathlib import Path
 from engine.config import EngineConfig
 from engine.core.deferred_text import StepNote, stash_step, take_output
 from engine.core.faults import FaultInjector
-from engine.core.live_request import LiveRequest
+from engine.core.live_request import LiveRequest, guarded
 from engine.core.messages import (
     Abort,
     Add,
@@ -57,7 +58,6 @@ from engine.core.messages import (
     Shutdown,
     Start,
     Step,
-    StopSample,
 )
 from engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
 from engine.lora.admission import LoRAAdmission
@@ -287,10 +287,7 @@ class CoreClient:
         out, commands = take_output(live, self._fault, time.time())
         if out is not None and out.finished:
             self._live.pop(request_id, None)
-        if commands:
-            with self._lock:
-                self._outbox += commands
-            self.flush()
+        self._send(commands)
         return out
 
     def _outputs(self, records: Records) -> list:
@@ -302,21 +299,23 @@ class CoreClient:
             live = self._live.get(rid)
             if live is None:
                 continue  # aborted by the caller, or already ended here (stop string, failure)
-            try:
-                out = live.absorb(samples, finished, cached, final_metrics, now, self._fault, prompt_logprobs)
-            except Exception as exc:  # a failure in this request's text work fails it alone
-                log.error("request %s failed: %s", rid, exc)
-                out = live.fail(f"{type(exc).__name__}: {exc}", now)
-                stops.append(Abort(rid))
-            stops += [StopSample(rid, i) for i in live.take_stops()]
+            work = functools.partial(
+                live.absorb, samples, finished, cached, final_metrics, now, self._fault, prompt_logprobs
+            )
+            out, commands = guarded(live, work, now)
+            stops += commands
             if out.finished:
                 self._live.pop(rid, None)
             outputs.append(out)
-        if stops:
-            with self._lock:
-                self._outbox += stops
-            self.flush()
+        self._send(stops)
         return outputs
+
+    def _send(self, commands: list[Command]) -> None:
+        """Queue `commands` for the core (stop strings found here, failed requests) and send them now."""
+        if commands:
+            with self._lock:
+                self._outbox += commands
+            self.flush()
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         if not outputs:

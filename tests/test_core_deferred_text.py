@@ -20,7 +20,7 @@ from engine.core.live_request import LiveRequest
 from engine.core_client import CoreClient
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
-from tests.test_engine_core import GREEDY, Collector, wait_for
+from tests.test_engine_core import GREEDY, Collector, outputs_equal_the_offline_engine, wait_for
 
 pytestmark = pytest.mark.engine
 
@@ -75,31 +75,9 @@ def client(tiny_model_dir):
 def test_deferred_outputs_equal_the_offline_engine(client, tiny_model_dir):
     """Greedy, seeded n=2 and stop-string requests, taken every 30 ms: text, ids and reasons as
     LLM.generate; each request took fewer outputs than it had engine steps; the blocks are freed."""
-    llm = LLM(str(tiny_model_dir))
-    prompts = ["The quick brown fox", [5, 6, 7, 8, 9], "Seven stones by the river"]
-    params = [
-        SamplingParams(max_tokens=48, **GREEDY),
-        SamplingParams(max_tokens=40, temperature=1.0, seed=11, n=2, ignore_eos=True),
-        SamplingParams(max_tokens=32, temperature=0.8, seed=5, ignore_eos=True),
-    ]
-    greedy = llm.generate(prompts[0], params[0])[0].outputs[0].text
-    stop = greedy[len(greedy) // 2 : len(greedy) // 2 + 3]
-    prompts.append(prompts[0])
-    params.append(SamplingParams(max_tokens=48, stop=[stop], **GREEDY))
-    expected = llm.generate(prompts, params)
-    rids = [client.submit(p, sp) for p, sp in zip(prompts, params)]
-    for rid in rids:
-        client.sink.wait(rid)
-    for rid, ref in zip(rids, expected):
-        for o in ref.outputs:
-            assert client.sink.text[f"{rid}/{o.index}"] == o.text
-            assert client.sink.tokens[f"{rid}/{o.index}"] == o.token_ids
-        assert sorted(client.sink.finish[rid]) == [(o.index, o.finish_reason, None) for o in ref.outputs]
+    rids = outputs_equal_the_offline_engine(client, LLM(str(tiny_model_dir)), max_tokens=48)
     steps = {rid: sum(n.request_id == rid for n in client.taker.notes) for rid in rids}
     assert client.taker.takes[rids[0]] < steps[rids[0]], (client.taker.takes, steps)
-    assert expected[3].outputs[0].finish_reason == "stop" and stop not in expected[3].outputs[0].text
-    wait_for(lambda: client.stats()["kv_blocks_used"] == 0, what="blocks freed")
-    wait_for(lambda: client.stats()["num_running"] == 0, what="the stopped request to end in the core")
 
 
 def test_killing_the_core_fails_open_requests_in_deferred_mode(tiny_model_dir):

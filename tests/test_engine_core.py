@@ -95,16 +95,22 @@ def test_core_runs_in_a_process_of_its_own(client):
 
 def test_outputs_equal_the_offline_engine(client, llm):
     """Greedy, seeded, n=2 and stop-string requests at once: text, ids and reasons as LLM.generate."""
+    outputs_equal_the_offline_engine(client, llm, max_tokens=24)
+
+
+def outputs_equal_the_offline_engine(client, llm, max_tokens: int) -> list[str]:
+    """Submit greedy, seeded n=2, sampled and stop-string requests to `client` (its `sink` a Collector),
+    check them against LLM.generate and that their blocks are freed; their request ids."""
     prompts = ["The quick brown fox", [5, 6, 7, 8, 9], "Seven stones by the river"]
     params = [
-        SamplingParams(max_tokens=24, **GREEDY),
-        SamplingParams(max_tokens=20, temperature=1.0, seed=11, n=2, ignore_eos=True),
-        SamplingParams(max_tokens=16, temperature=0.8, seed=5, ignore_eos=True),
+        SamplingParams(max_tokens=max_tokens, **GREEDY),
+        SamplingParams(max_tokens=max_tokens * 5 // 6, temperature=1.0, seed=11, n=2, ignore_eos=True),
+        SamplingParams(max_tokens=max_tokens * 2 // 3, temperature=0.8, seed=5, ignore_eos=True),
     ]
     greedy = llm.generate(prompts[0], params[0])[0].outputs[0].text
     stop = greedy[len(greedy) // 2 : len(greedy) // 2 + 3]
     prompts.append(prompts[0])
-    params.append(SamplingParams(max_tokens=24, stop=[stop], **GREEDY))
+    params.append(SamplingParams(max_tokens=max_tokens, stop=[stop], **GREEDY))
     expected = llm.generate(prompts, params)
     rids = [client.submit(p, sp) for p, sp in zip(prompts, params)]
     for rid in rids:
@@ -118,6 +124,7 @@ def test_outputs_equal_the_offline_engine(client, llm):
     assert expected[3].outputs[0].finish_reason == "stop" and stop not in expected[3].outputs[0].text
     wait_for(lambda: client.stats()["kv_blocks_used"] == 0, what="blocks freed")
     wait_for(lambda: client.stats()["num_running"] == 0, what="the stopped request to end in the core")
+    return rids
 
 
 def test_abort_frees_kv_blocks_across_the_process_boundary(client):

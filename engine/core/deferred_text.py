@@ -12,15 +12,12 @@ few more tokens, which are dropped, as after any stop string.
 
 from __future__ import annotations
 
-import logging
 from typing import NamedTuple
 
 from engine.core.faults import Check
-from engine.core.live_request import LiveRequest
-from engine.core.messages import Abort, Command, Records, StopSample
+from engine.core.live_request import LiveRequest, guarded
+from engine.core.messages import Records
 from engine.outputs import RequestOutput
-
-log = logging.getLogger("engine")
 
 
 class StepNote(NamedTuple):
@@ -38,26 +35,14 @@ def stash_step(live: dict[str, LiveRequest], records: Records, now: float) -> li
     for rid, samples, finished, cached, final_metrics, prompt_logprobs in records.unpacked():
         request = live.get(rid)
         if request is not None:  # else aborted by the caller, or already ended here
-            request.stash(samples, finished, cached, final_metrics, now, prompt_logprobs)
-            notes.append(StepNote(rid, any(s[1] for s in samples), finished))
+            tokens = request.stash(samples, finished, cached, final_metrics, now, prompt_logprobs)
+            notes.append(StepNote(rid, tokens, finished))
     return notes
 
 
-def take_output(
-    request: LiveRequest, fault: Check | None, now: float
-) -> tuple[RequestOutput | None, list[Command]]:
+def take_output(request: LiveRequest, fault: Check | None, now: float) -> tuple[RequestOutput | None, list]:
     """(the output of what `request` got since its last take, or None; what to send the core): its
-    failure if it failed; its text work failing fails it alone (an Abort for the core)."""
-    commands: list[Command] = []
-    rid = request.request_id
+    failure's final output if it failed."""
     if request.failure is not None:
-        out = request.fail(request.failure, now)
-    else:
-        try:
-            out = request.take(fault)
-        except Exception as exc:  # as on the per-step path (CoreClient._outputs)
-            log.error("request %s failed: %s", rid, exc)
-            out = request.fail(f"{type(exc).__name__}: {exc}", now)
-            commands.append(Abort(rid))
-    commands += [StopSample(rid, i) for i in request.take_stops()]
-    return out, commands
+        return request.fail(request.failure, now), []
+    return guarded(request, lambda: request.take(fault), now)

@@ -14,14 +14,18 @@ one per step; the text is the same, since detokenization and stop strings see th
 
 from __future__ import annotations
 
+import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.core.faults import Check
-from engine.core.messages import FinalMetrics
+from engine.core.messages import Abort, Command, FinalMetrics, StopSample
 from engine.output.text import TextStream
 from engine.outputs import CompletionDelta, RequestMetrics, RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
+
+log = logging.getLogger("engine")
 
 
 @dataclass
@@ -85,11 +89,14 @@ class LiveRequest:
         final_metrics: FinalMetrics | None,
         now: float,
         prompt_logprobs: list[TokenLogprob | None] | None = None,
-    ) -> None:
-        """Keep one core record for `take` (deferred text); the first token's time is stamped as it comes."""
-        if any(s[1] for s in samples):
+    ) -> bool:
+        """Keep one core record for `take` (deferred text); whether it brings token ids, whose first one's
+        time is stamped as it comes."""
+        tokens = any(s[1] for s in samples)
+        if tokens:
             self.metrics.first_token_time = self.metrics.first_token_time or now
-        self._inbox.append((samples, finished, cached, final_metrics, now, prompt_logprobs))
+        self._inbox.append((samples, finished, cached, final_metrics, now, prompt_logprobs, tokens))
+        return tokens
 
     def take(self, fault: Check | None) -> RequestOutput | None:
         """The RequestOutput of every record stashed since the last take (None: nothing new), absorbed
@@ -103,7 +110,7 @@ class LiveRequest:
         cached = next((r[2] for r in reversed(records) if r[2]), 0)
         final_metrics = next((r[3] for r in records if r[3] is not None), None)
         prompt_logprobs = next((r[5] for r in records if r[5] is not None), None)
-        last_token = next((r[4] for r in reversed(records) if any(s[1] for s in r[0])), None)
+        last_token = next((r[4] for r in reversed(records) if r[6]), None)
         samples = merge_samples([r[0] for r in records])
         out = self.absorb(samples, finished, cached, final_metrics, records[-1][4], fault, prompt_logprobs)
         if last_token is not None:
@@ -165,6 +172,22 @@ class LiveRequest:
             self.cached_tokens,
             self.metrics,
         )
+
+
+def guarded(
+    request: LiveRequest, work: Callable[[], RequestOutput | None], now: float
+) -> tuple[RequestOutput | None, list[Command]]:
+    """(`work`'s output, what to send the core: a StopSample per stop string it found). A failure of
+    this request's text work fails it alone: its final output, and an Abort for the core."""
+    commands: list[Command] = []
+    try:
+        out = work()
+    except Exception as exc:
+        log.error("request %s failed: %s", request.request_id, exc)
+        out = request.fail(f"{type(exc).__name__}: {exc}", now)
+        commands.append(Abort(request.request_id))
+    commands += [StopSample(request.request_id, i) for i in request.take_stops()]
+    return out, commands
 
 
 def merge_samples(steps: list[list]) -> list[list]:
