@@ -57,6 +57,8 @@ def serve_config(
     if device == "cuda":
         args["engine"].update(max_num_seqs=256, gpu_memory_utilization=0.85)
         args["engine"].pop("cpu_kv_cache_bytes", None)
+        # serve_config.yaml's GPU setting: one ingress process is CPU-bound at 256 streams of a 1B model
+        args["ingress_num_replicas"] = 2
     if tp > 1:
         args["engine"]["tensor_parallel_size"] = tp
         if device != "cuda":

@@ -141,8 +141,10 @@ def test_serve_config_and_variants() -> None:
     assert args["max_ongoing_requests"] == 512 and args["null_core_step_ms"] == 12.346
     assert args["engine"]["max_num_seqs"] == 256 and args["engine"]["gpu_memory_utilization"] == 0.85
     assert "cpu_kv_cache_bytes" not in args["engine"] and engine_options("cuda") == args["engine"]
+    assert args["ingress_num_replicas"] == 2  # serve_config.yaml's GPU setting
     cpu = serve_config("cpu", "/ckpt", 8000, 4)["applications"][0]["args"]
     assert cpu["num_gpus"] == 0 and cpu["max_ongoing_requests"] == 256 and "null_core_step_ms" not in cpu
+    assert cpu["ingress_num_replicas"] == 1
     assert "tensor_parallel_size" not in cpu["engine"]
     tp4 = serve_config("cuda", "/ckpt", 8000, 4, tp=4)["applications"][0]["args"]
     assert tp4["num_gpus"] == 4 and tp4["engine"]["tensor_parallel_size"] == 4
