@@ -106,13 +106,15 @@ class LiveRequest:
             records.append(self._inbox.popleft())
         if not records:
             return None
-        finished = any(r[1] for r in records)
-        cached = next((r[2] for r in reversed(records) if r[2]), 0)
-        final_metrics = next((r[3] for r in records if r[3] is not None), None)
-        prompt_logprobs = next((r[5] for r in records if r[5] is not None), None)
-        last_token = next((r[4] for r in reversed(records) if r[6]), None)
+        finished, cached, final_metrics, prompt_logprobs, last_token = False, 0, None, None, None
+        for _, ended, c, metrics, now, plp, tokens in records:  # the fields `stash` appended
+            finished = finished or ended
+            cached = c or cached  # the last non-zero count
+            final_metrics = metrics if final_metrics is None else final_metrics  # sent once
+            prompt_logprobs = plp if prompt_logprobs is None else prompt_logprobs  # sent once
+            last_token = now if tokens else last_token
         samples = merge_samples([r[0] for r in records])
-        out = self.absorb(samples, finished, cached, final_metrics, records[-1][4], fault, prompt_logprobs)
+        out = self.absorb(samples, finished, cached, final_metrics, now, fault, prompt_logprobs)
         if last_token is not None:
             self.metrics.last_token_time = last_token
         return out
