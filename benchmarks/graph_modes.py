@@ -13,6 +13,9 @@ tables over the engine's KV pool; the values in it do not matter for timing). Fo
     one replay call, measured on the smallest decode graph). Host work beyond the forward (scheduling,
     sampling, outputs) comes on top in every mode; a piecewise graph only pays if its host floor stays
     well under the step's device time.
+With --kernels N, each case's graph replays and eager steps also run under torch.profiler (CUDA
+activity only) and the N kernels with the most device time per step are listed: where a mixed step's
+device time goes.
 Writes OUT/graph_modes_<model>.{json,md}.
 """
 
@@ -106,7 +109,27 @@ def piecewise_floor_us(runner, batch, reps: int = 20) -> float:
     return 1e6 * statistics.median(hosts)
 
 
-def measure(engine, case, reps: int) -> dict:
+def kernel_table(fn, reps: int, top: int) -> list[dict]:
+    """The `top` kernels by device time per call of fn (torch.profiler over `reps` calls after a warm
+    one), each with its calls per step; the first row is all device time per step."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA" and e.device_time_total > 0]
+    events.sort(key=lambda e: -e.device_time_total)
+    rows = [{"kernel": "(all)", "us": sum(e.device_time_total for e in events) / reps, "calls": None}]
+    rows += [{"kernel": e.key[:80], "us": e.device_time_total / reps, "calls": e.count / reps}
+             for e in events[:top]]  # fmt: skip
+    return rows
+
+
+def measure(engine, case, reps: int, top: int = 0) -> dict:
     from engine.runner.cuda_graph import forward_batch
 
     runner = engine.runner
@@ -114,14 +137,34 @@ def measure(engine, case, reps: int) -> dict:
     batch = synthetic_batch(decodes, ctx, chunk, runner.block_size, runner.kv_spec.num_blocks)
     mixed = runner.mixed_graphs
     key = mixed.bucket(len(batch.input_ids), len(batch.seq_lens))
-    graph_us = _wall_us(lambda: mixed.run(batch, runner.upload), reps)
-    eager_us = _wall_us(
-        lambda: forward_batch(runner.model, {}, runner.upload, batch, runner.block_size), reps
-    )
-    return {"decodes": decodes, "context": ctx, "chunk": chunk, "tokens": len(batch.input_ids),
-            "bucket": key, "graph_step_us": graph_us, "graph_device_us": _device_us(mixed.graphs[key]),
-            "eager_step_us": eager_us,
-            "piecewise_host_floor_us": piecewise_floor_us(runner, batch)}  # fmt: skip
+
+    def graph_step():
+        return mixed.run(batch, runner.upload)
+
+    def eager_step():
+        return forward_batch(runner.model, {}, runner.upload, batch, runner.block_size)
+
+    bucket = "{} tokens x {} seqs".format(*mixed.buckets[key])
+    row = {"decodes": decodes, "context": ctx, "chunk": chunk, "tokens": len(batch.input_ids),
+           "bucket": bucket, "graph_step_us": _wall_us(graph_step, reps),
+           "graph_device_us": _device_us(mixed.graphs[key]), "eager_step_us": _wall_us(eager_step, reps),
+           "piecewise_host_floor_us": piecewise_floor_us(runner, batch)}  # fmt: skip
+    if top:
+        row["kernels"] = {"graph": kernel_table(graph_step, reps, top),
+                          "eager": kernel_table(eager_step, reps, top)}  # fmt: skip
+    return row
+
+
+def kernels_markdown(rows: list[dict]) -> list[str]:
+    """Per case and mode: the top kernels' device time per step (us) and calls per step."""
+    lines = []
+    for r in rows:
+        for mode, table in r.get("kernels", {}).items():
+            lines += ["", f"#### {r['decodes']} decodes at {r['context']}, chunk {r['chunk']}: {mode}, "
+                      f"{table[0]['us']:,.0f} us of device time per step", "",
+                      "| kernel | us / step | calls / step |", "|---|---|---|"]  # fmt: skip
+            lines += [f"| `{k['kernel']}` | {k['us']:,.1f} | {k['calls']:.1f} |" for k in table[1:]]
+    return lines
 
 
 def to_markdown(model: str, rows: list[dict], env: dict, command: str) -> str:
@@ -138,7 +181,7 @@ def to_markdown(model: str, rows: list[dict], env: dict, command: str) -> str:
                      f"{r['graph_step_us']:,.0f} us | {r['graph_device_us']:,.0f} us | "
                      f"{r['eager_step_us']:,.0f} us | "
                      f"{r['piecewise_host_floor_us']:,.0f} us | {ratio:.2f} |")  # fmt: skip
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + kernels_markdown(rows)) + "\n"
 
 
 def main() -> None:
@@ -147,6 +190,8 @@ def main() -> None:
     p.add_argument("--ckpt-dir", default="/tmp/minserve_bench")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--out", default="benchmarks/reports/gpu")
+    p.add_argument("--kernels", type=int, default=0, help="list the N kernels with most device time per case")
+    p.add_argument("--cases", default=None, help="D:C:P,... (decodes:context:chunk) instead of CASES")
     args = p.parse_args()
     from benchmarks.quant_decode import checkpoint
     from engine.config import EngineConfig
@@ -159,7 +204,8 @@ def main() -> None:
     import torch
 
     with torch.inference_mode():  # the runner's tensors are inference tensors
-        rows = [measure(engine, case, args.reps) for case in CASES]
+        cases = [tuple(map(int, c.split(":"))) for c in args.cases.split(",")] if args.cases else CASES
+        rows = [measure(engine, case, args.reps, args.kernels) for case in cases]
     env = environment()
     flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items())
     command = f"python -m benchmarks.graph_modes {flags}"

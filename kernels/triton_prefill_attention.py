@@ -92,6 +92,32 @@ def _attend_local(q, m_i, l_i, acc, k_ptr, v_ptr, slot_ptr, first_ptr, len_ptr, 
     return m_i, l_i, acc
 
 
+@triton.jit
+def _causal_loop(q, m_i, l_i, acc, k_ptr, v_ptr, bt_row, q_start, lo, hi, kend, wpos, window, kh,
+                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, d, dmask, scale, softcap,
+                 MASKED: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                 HAS_SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr):  # fmt: skip
+    """Fold in keys [lo, hi). MASKED: row i sees key j iff j < kend[i] (and wpos[i] - j < window);
+    unmasked: every row sees every key of the range, which must hold whole BLOCK_N tiles."""
+    for n in range(lo, hi, BLOCK_N):
+        kpos = n + tl.arange(0, BLOCK_N)
+        kvalid = kpos < hi
+        # .to(q.dtype): an fp8 cache is upcast as it loads (exact; see dot_dtype_for).
+        k = _load_kv_tile(k_ptr, bt_row, q_start, kpos, kvalid, kh, stride_kb, stride_ks, stride_kh, d,
+                          dmask, PAGED, PAGE).to(q.dtype)  # fmt: skip
+        if MASKED:
+            allowed = kvalid[None, :] & (kpos[None, :] < kend[:, None])
+            allowed = allowed & ((window <= 0) | (wpos[:, None] - kpos[None, :] < window))
+        else:
+            allowed = kvalid[None, :]
+        s = scores_log2(q, k, allowed, scale, softcap, HAS_SOFTCAP, DOT_PREC)
+        v = _load_kv_tile(v_ptr, bt_row, q_start, kpos, kvalid, kh, stride_vb, stride_vs, stride_vh, d,
+                          dmask, PAGED, PAGE).to(q.dtype)  # fmt: skip
+        # Rows may see nothing in a tile (window edge, rows past q_len): the step keeps them at 0.
+        m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_PREC)
+    return m_i, l_i, acc
+
+
 @triton.jit(do_not_specialize=["window", "num_seqs", "search_steps"])
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, seq_lens_ptr, block_tables_ptr,
@@ -99,32 +125,40 @@ def _prefill_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     scale, softcap, window, num_seqs, search_steps,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    DOT_PREC: tl.constexpr, FLAT: tl.constexpr, VIS: tl.constexpr,
+    GROUP: tl.constexpr, GP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr, FLAT: tl.constexpr, VIS: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):  # fmt: skip
-    if FLAT:  # grid (flat tile, head); one-query sequences belong to the decode kernel
-        h = tl.program_id(1)
+    BQ: tl.constexpr = BLOCK_M // GP  # queries per tile: a row is (query, head of the program's group)
+    if FLAT:  # grid (flat tile, head slot); one-query sequences belong to the decode kernel
+        hp = tl.program_id(1)
         t = tl.program_id(0)
-        b = _flat_tile_seq(cu_q_ptr, t, num_seqs, search_steps, BLOCK_M).to(tl.int64)
-        tile = t - (tl.load(cu_q_ptr + b) // BLOCK_M + b)
-    else:  # grid (tile of a sequence, sequence, head)
+        b = _flat_tile_seq(cu_q_ptr, t, num_seqs, search_steps, BQ).to(tl.int64)
+        tile = t - (tl.load(cu_q_ptr + b) // BQ + b)
+    else:  # grid (tile of a sequence, sequence, head slot)
         tile = tl.program_id(0)
         b = tl.program_id(1).to(tl.int64)
-        h = tl.program_id(2)
+        hp = tl.program_id(2)
     q_start = tl.load(cu_q_ptr + b)
     q_len = tl.load(cu_q_ptr + b + 1) - q_start
-    if tile * BLOCK_M >= q_len or (FLAT and q_len == 1):
+    if tile * BQ >= q_len or (FLAT and q_len == 1):
         return
-    kh = h // GROUP
-
-    m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    mvalid = m < q_len
+    r = tl.arange(0, BLOCK_M)
+    if GP == 1:  # head slot = query head
+        kh = hp // GROUP
+        h = hp + 0 * r
+    else:  # head slot = KV head; row r holds head r % GP of its group (>= GROUP: padding)
+        kh = hp
+        h = hp * GROUP + r % GP
+    m = tile * BQ + r // GP
+    mvalid = (m < q_len) & (r % GP < GROUP)
     d = tl.arange(0, BLOCK_D)
     dmask = d < HEAD_DIM
     rows = (q_start + m).to(tl.int64)
     q_mask = mvalid[:, None] & dmask[None, :]
-    q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + d[None, :], mask=q_mask, other=0.0)
+    q_ptrs = q_ptr + rows[:, None] * stride_qt + h[:, None] * stride_qh + d[None, :]
+    q = tl.load(q_ptrs, mask=q_mask, other=0.0)
     q = dot_dtype_for(q, k_ptr)
 
     # Row i sees cache positions j < kend[i] with wpos[i] - j < window; the tile's loop bounds [lo, hi)
@@ -139,26 +173,24 @@ def _prefill_kernel(
         ctx = seq_len - q_len
         wpos = ctx + m
         kend = wpos + 1
-        hi = tl.minimum(seq_len, ctx + (tile + 1) * BLOCK_M)
-        lo = ctx + tile * BLOCK_M - window + 1
+        hi = tl.minimum(seq_len, ctx + (tile + 1) * BQ)
+        lo = ctx + tile * BQ - window + 1
     lo = tl.where(window > 0, tl.maximum(lo, 0), 0)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     bt_row = block_tables_ptr + b * stride_bt
-    for n in range(lo, hi, BLOCK_N):
-        kpos = n + tl.arange(0, BLOCK_N)
-        kvalid = kpos < hi
-        # .to(q.dtype): an fp8 cache is upcast as it loads (exact; see dot_dtype_for).
-        k = _load_kv_tile(k_ptr, bt_row, q_start, kpos, kvalid, kh, stride_kb, stride_ks, stride_kh, d,
-                          dmask, PAGED, PAGE).to(q.dtype)  # fmt: skip
-        allowed = kvalid[None, :] & (kpos[None, :] < kend[:, None])
-        allowed = allowed & ((window <= 0) | (wpos[:, None] - kpos[None, :] < window))
-        s = scores_log2(q, k, allowed, scale, softcap, HAS_SOFTCAP, DOT_PREC)
-        v = _load_kv_tile(v_ptr, bt_row, q_start, kpos, kvalid, kh, stride_vb, stride_vs, stride_vh, d,
-                          dmask, PAGED, PAGE).to(q.dtype)  # fmt: skip
-        # Rows may see nothing in a tile (window edge, rows past q_len): the step keeps them at 0.
-        m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_PREC)
+    mid = lo
+    if SPLIT:  # causal, no window: every row sees the keys before the tile's first query unmasked
+        mid = lo + (ctx + tile * BQ - lo) // BLOCK_N * BLOCK_N
+        m_i, l_i, acc = _causal_loop(q, m_i, l_i, acc, k_ptr, v_ptr, bt_row, q_start, lo, mid, kend, wpos,
+                                     window, kh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+                                     stride_vh, d, dmask, scale, softcap, False, PAGED, PAGE, BLOCK_N,
+                                     HAS_SOFTCAP, DOT_PREC)  # fmt: skip
+    m_i, l_i, acc = _causal_loop(q, m_i, l_i, acc, k_ptr, v_ptr, bt_row, q_start, mid, hi, kend, wpos,
+                                 window, kh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                                 d, dmask, scale, softcap, True, PAGED, PAGE, BLOCK_N, HAS_SOFTCAP,
+                                 DOT_PREC)  # fmt: skip
     if VIS:
         m_i, l_i, acc = _attend_local(q, m_i, l_i, acc, k_ptr, v_ptr, slot_ptr, first_ptr, len_ptr, rows,
                                       mvalid, kh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
@@ -166,17 +198,30 @@ def _prefill_kernel(
                                       DOT_PREC)  # fmt: skip
 
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    out_ptrs = out_ptr + rows[:, None] * stride_ot + h * stride_oh + d[None, :]
+    out_ptrs = out_ptr + rows[:, None] * stride_ot + h[:, None] * stride_oh + d[None, :]
     tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
 SHORT_Q = 16  # at most this many queries per sequence: one 16-row tile (tl.dot's smallest M)
 MEDIUM_Q = 32  # at most this many (MTP verify+draft, k = 4: 25 rows): one 32-row tile
 SHORT_TILES_ONE_WAVE = True  # ...or 16-row tiles where they fit the chip in one wave (prefill_config)
+PACK_GQA = True  # a program takes all query heads of one KV head: each K/V tile is loaded once per group
+SPLIT_CAUSAL = True  # keys every row of a tile sees run through a loop without the causal mask
+
+
+def heads_per_program(group: int, block_m: int) -> int:
+    """GP: query heads sharing a program's tile rows (a power of two >= GROUP, padding rows masked), or
+    1 (a program per query head) when packing is off, GROUP is 1 or the tile has too few rows."""
+    gp = triton.next_power_of_2(group)
+    return gp if PACK_GQA and 1 < gp <= block_m // 2 else 1
 
 
 def prefill_config(
-    head_dim: int, fp8_cache: bool = False, max_seqlen_q: int | None = None, one_wave: bool = False
+    head_dim: int,
+    fp8_cache: bool = False,
+    max_seqlen_q: int | None = None,
+    one_wave: bool = False,
+    waves: float | None = None,
 ) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages), fixed per head_dim, cache type and, for at most
     MEDIUM_Q queries per sequence, the query length (no autotune).
@@ -188,13 +233,28 @@ def prefill_config(
     pipeline (bf16, the case measured; an fp8 cache keeps its own stages): two 16-row tiles would read
     every key twice, and at 8 sequences their doubled grid queues. `one_wave`: the 16-row tiles of such
     a chunk would still fit the chip in one wave (a sequence or two); then they win, each program
-    walking the keys for half the rows. All were measured (docs/performance.md, ideas tried)."""
+    walking the keys for half the rows. All were measured (docs/performance.md, ideas tried).
+
+    `waves`: programs with work at the default tiles per SM (`busy_waves`). A bf16 chunk whose tiles
+    fill at most one wave runs each 128-row tile on 8 warps when head_dim <= 64: with few programs
+    each one's latency is the kernel's, and more warps keep more loads in flight. Over four waves, a
+    head_dim of 65-128 takes 64-row tiles of 32 keys on 4 warps: the grid is deep enough to hide
+    latency, and smaller programs balance the causal triangle's uneven tiles."""
     bm, bn, num_warps, num_stages = _tile_config(head_dim, fp8_cache)
     if max_seqlen_q is not None and max_seqlen_q <= SHORT_Q:
         return 16, bn, 4, num_stages
     if max_seqlen_q is not None and max_seqlen_q <= MEDIUM_Q:
         return 16 if one_wave else MEDIUM_Q, bn, 4, num_stages if fp8_cache else 3
+    if waves is not None and not fp8_cache and head_dim <= 64 and waves <= 1:
+        return bm, bn, 8, num_stages
+    if waves is not None and not fp8_cache and 64 < head_dim <= 128 and waves > 4:
+        return 64, 32, 4, 2
     return bm, bn, num_warps, num_stages
+
+
+def busy_waves(tiles_per_head: int, slots: int, device: torch.device) -> float | None:
+    """Programs with work (tiles_per_head x head slots) per SM; None keeps the default tiles."""
+    return tiles_per_head * slots / _sm_count(device)
 
 
 def fits_one_wave(max_seqlen_q: int, batch: int, num_q_heads: int, device: torch.device) -> bool:
@@ -259,9 +319,8 @@ def prefill_attention(
     batch = cu_seqlens_q.shape[0] - 1
     if num_tokens == 0 or batch == 0:
         return out
-    short = None if mixed else max_seqlen_q  # a mixed graph's tiles cannot depend on the data
-    wave = not mixed and fits_one_wave(max_seqlen_q, batch, num_q_heads, q.device)
-    bm, bn, num_warps, num_stages = prefill_config(head_dim, k.dtype == torch_ops.FP8_DTYPE, short, wave)
+    group = num_q_heads // num_kv_heads
+    bm, bn, num_warps, num_stages = _launch_config(q, k, group, batch, max_seqlen_q, mixed)
     bm, bn = block_m or bm, block_n or bn
     paged = block_tables is not None
     vis_args = _visibility_args(visibility, slot_mapping, paged, num_tokens, cu_seqlens_q)
@@ -271,20 +330,37 @@ def prefill_attention(
     else:  # packed rows: the "block" stride is the token stride, the in-block stride is unused
         kv_strides = (k.stride(0), 0, k.stride(1), v.stride(0), 0, v.stride(1))
         page, bt, stride_bt = 1, cu_seqlens_q, 0  # bt is never read when not PAGED
+    gp = heads_per_program(group, bm)
+    bq, slots = bm // gp, num_q_heads if gp == 1 else num_kv_heads  # queries per tile, head slots
     if mixed:
-        grid = (triton.cdiv(num_tokens, bm) + batch, num_q_heads)
+        grid = (triton.cdiv(num_tokens, bq) + batch, slots)
     else:
-        grid = (triton.cdiv(max_seqlen_q, bm), batch, num_q_heads)
+        grid = (triton.cdiv(max_seqlen_q, bq), batch, slots)
     _prefill_kernel[grid](
         q, k, v, out, cu_seqlens_q, seq_lens, bt, *vis_args,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *kv_strides, stride_bt,
         scale, softcap or 0.0, sliding_window or 0, batch, batch.bit_length(),
-        GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        GROUP=group, GP=gp, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_M=bm, BLOCK_N=bn, PAGED=paged, PAGE=page, HAS_SOFTCAP=softcap is not None,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", FLAT=mixed, VIS=visibility is not None,
+        SPLIT=SPLIT_CAUSAL and visibility is None and not sliding_window,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out
+
+
+def _launch_config(q, k, group: int, batch: int, max_seqlen_q: int | None, mixed: bool):
+    """prefill_config for this call: a mixed graph's tiles from its token count (the bucket) alone, a
+    varlen call's from its longest query too; `waves` counts the tiles at the default config."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    fp8 = k.dtype == torch_ops.FP8_DTYPE
+    short = None if mixed else max_seqlen_q  # a mixed graph's tiles cannot depend on the data
+    wave = not mixed and fits_one_wave(max_seqlen_q, batch, num_q_heads, q.device)
+    bm = prefill_config(q.shape[2], fp8, short, wave)[0]
+    gp = heads_per_program(group, bm)
+    tiles = triton.cdiv(num_tokens, bm // gp) if mixed else triton.cdiv(max_seqlen_q, bm // gp) * batch
+    waves = busy_waves(tiles, num_q_heads if gp == 1 else num_q_heads // group, q.device)
+    return prefill_config(head_dim, fp8, short, wave, waves)
 
 
 def _visibility_args(visibility, slot_mapping, paged: bool, num_tokens: int, placeholder: torch.Tensor):

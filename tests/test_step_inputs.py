@@ -76,3 +76,29 @@ def test_real_tables_only_is_a_prefix_of_the_full_buffers(pad_q: int, rows: int 
     assert part32.numel() < full32.numel()
     assert part32.tolist() == full32[: part32.numel()].tolist()
     assert (full32[part32.numel() :] == 0).all()  # the rest: padding rows, never read
+
+
+@pytest.mark.parametrize("max_tokens,max_seqs", [(2048, 256), (512, 48), (4096, 512)])
+def test_mixed_graph_buckets_are_the_smallest_that_hold_the_step(max_tokens: int, max_seqs: int):
+    """MixedGraphs.bucket picks, among all (tokens, seqs) buckets it captures, the one with the fewest
+    tokens and then the fewest sequences that holds the step (checked against a naive search over every
+    pair); no bucket holds more sequences than tokens or than max_seqs, and the keys are the indices."""
+    import torch
+
+    from engine.runner.cuda_graph import MixedGraphs
+
+    graphs = MixedGraphs(None, torch.device("cpu"), max_tokens, max_seqs, 8, 16, 4, torch.float32)
+    pairs = graphs.buckets
+    assert len(set(pairs)) == len(pairs) and graphs.keys() == list(range(len(pairs)))
+    assert all(s <= min(t, max_seqs) for t, s in pairs)
+    assert {t for t, _ in pairs} == {t for t, s in pairs if s == min(t, max_seqs)}  # each T has its cap
+    rng = random.Random(max_tokens + max_seqs)
+    for _ in range(300):
+        rows = rng.randint(1, max_tokens + 8)
+        seqs = rng.randint(1, min(rows, max_seqs + 4))
+        fits = [p for p in pairs if p[0] >= rows and p[1] >= seqs]
+        key = graphs.bucket(rows, seqs)
+        assert (key is None) == (not fits)
+        if fits:
+            assert pairs[key] == min(fits)
+            assert graphs._seqs_rows(key) == (pairs[key][1], pairs[key][0])

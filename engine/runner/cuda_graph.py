@@ -10,10 +10,12 @@ capture never JITs or autotunes. A step then costs two host-to-device copies and
 Two kinds, chosen per step by `forward_batch`:
   * DecodeGraphs, by batch size, for steps whose sequences all have `query_len` new tokens (decode:
     1; speculative verification: k + 1). Padding sequences have query_len tokens that write nothing;
-  * MixedGraphs, by token count, for any other step (prefill chunks beside decodes): attention splits
-    the batch between the decode and prefill kernels on the device (AttentionMetadata.mixed), with
-    grids from the bucket's shapes alone. Padding sequences have no tokens and seq_len 0; padding rows
-    belong to no sequence, write nothing, and their hidden rows are garbage no caller reads.
+  * MixedGraphs, by token count and sequence count, for any other step (prefill chunks beside
+    decodes): attention splits the batch between the decode and prefill kernels on the device
+    (AttentionMetadata.mixed), with grids from the bucket's shapes alone. Padding sequences have no
+    tokens and seq_len 0; padding rows belong to no sequence, write nothing, and their hidden rows are
+    garbage no caller reads. The attention grids hold a program per padded sequence and KV head,
+    which exits at once but still costs its launch: hence sequence buckets too.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from engine.runner.step_inputs import StepBatch, pack, table_width, unpack
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
 # Token counts of mixed graphs: fine steps where padding would cost most, coarser above.
 TOKEN_BUCKETS = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1280, 1536, 1792, 2048, 3072, 4096)
+# Sequence counts of mixed graphs below a token bucket's own cap (min(max_seqs, tokens)).
+SEQ_BUCKETS = (32, 64, 128, 256)
 
 
 def lm_head_rows(n: int) -> int:
@@ -56,6 +60,10 @@ class _GraphSet:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.buckets: list[int] = []
 
+    def keys(self) -> list[int]:
+        """Graph keys, smallest bucket first."""
+        return self.buckets
+
     def _seqs_rows(self, key: int) -> tuple[int, int | None]:
         """(padded sequence count, padded row count or None: as the padding sequences make it)."""
         raise NotImplementedError
@@ -77,7 +85,7 @@ class _GraphSet:
     def capture(self, pool=None):
         """Largest bucket first, so smaller graphs reuse its pool memory; returns the pool."""
         shape = self._dummy()
-        for key in reversed(self.buckets):
+        for key in reversed(self.keys()):
             seqs, rows = self._seqs_rows(key)
             i64, i32 = pack(shape, seqs, self.width, self.pad_q, rows, lora=self.lora)
             self.inputs[key] = (i64.to(self.device), i32.to(self.device))
@@ -135,7 +143,8 @@ class DecodeGraphs(_GraphSet):
 
 
 class MixedGraphs(_GraphSet):
-    """Graphs by token count for any step: a bucket of T tokens holds up to min(max_seqs, T) sequences."""
+    """Graphs by (token count T, sequence count S) for any step, S up to min(max_seqs, T); a graph's
+    key is its bucket's index in `buckets` (an int, as tensor-parallel replays announce it)."""
 
     pad_q = 0
     mixed = True
@@ -145,16 +154,24 @@ class MixedGraphs(_GraphSet):
         top = min(max_tokens, TOKEN_BUCKETS[-1])  # bigger steps run eagerly: launches are a small share
         hidden = torch.zeros((top, hidden_size), dtype=dtype, device=device)
         super().__init__(model, device, width, block_size, hidden)
-        self.buckets = [t for t in TOKEN_BUCKETS if t < top] + [top]
+        self.buckets = []  # (tokens, seqs), by tokens then seqs
+        for t in [t for t in TOKEN_BUCKETS if t < top] + [top]:
+            cap = min(max_seqs, t)
+            self.buckets += [(t, s) for s in SEQ_BUCKETS if s < cap] + [(t, cap)]
         self.max_seqs = max_seqs
         self.replays = 0  # steps run through these graphs (tests and stats read it)
 
+    def keys(self) -> list[int]:
+        return list(range(len(self.buckets)))
+
     def _seqs_rows(self, key: int) -> tuple[int, int | None]:
-        return min(self.max_seqs, key), key
+        tokens, seqs = self.buckets[key]
+        return seqs, tokens
 
     def bucket(self, rows: int, seqs: int) -> int | None:
-        """The smallest token bucket that holds `rows` tokens of `seqs` sequences, or None."""
-        return next((t for t in self.buckets if t >= rows and min(self.max_seqs, t) >= seqs), None)
+        """The key of the smallest bucket (fewest tokens, then fewest sequences) that holds `rows`
+        tokens of `seqs` sequences, or None."""
+        return next((i for i, (t, s) in enumerate(self.buckets) if t >= rows and s >= seqs), None)
 
     def run(self, batch: StepBatch, upload: Uploader, fed_back=None, draft_ids=None) -> torch.Tensor:
         key = self.bucket(len(batch.input_ids), len(batch.seq_lens))
