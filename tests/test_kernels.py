@@ -244,6 +244,9 @@ PREFILL_CASES = [
     (8, 1, 64, 16, None, None, [0, 5, 40], [7, 1, 33], None),
     (4, 2, 128, 32, 24, 20.0, [10, 70], [33, 7], (16, 16)),
     (1, 2, 64, 16, None, 50.0, [3, 0, 31], [1, 33, 17], (16, 32)),
+    # a group that is no power of two: packed rows of padding heads (GP 8 for 5), small and default tiles
+    (5, 2, 64, 16, None, None, [0, 37, 6], [45, 20, 1], (16, 16)),
+    (3, 2, 64, 16, 20, None, [50, 0], [19, 40], None),
 ]
 
 
