@@ -1,9 +1,14 @@
 """Prefill / chunked-prefill attention for a packed varlen batch (twin: kernels.torch_ops.attention).
 
-Grid (query tile, sequence, query head); no padding of the batch: a program whose tile starts past
-its sequence's query_len exits at once. Sequence b owns rows cu_seqlens_q[b] : cu_seqlens_q[b + 1] of
-q; its query i sits at absolute position p = ctx + i with ctx = seq_len - query_len (tokens already
-cached) and sees key j iff j <= p and (no window or p - j < window).
+Grid (query tile, sequence, head slot); no padding of the batch: a program whose tile starts past
+its sequence's query_len exits at once. A head slot is one KV head with all GROUP query heads that
+share it (PACK_GQA): the tile's BLOCK_M rows are BQ = BLOCK_M / GP queries times GP heads (GP: GROUP
+rounded up to a power of two, rows of the extra heads masked), so each K/V tile is loaded once for the
+group. Without packing (GROUP 1, or tiles too small) a slot is one query head. Sequence b owns rows
+cu_seqlens_q[b] : cu_seqlens_q[b + 1] of q; its query i sits at absolute position p = ctx + i with
+ctx = seq_len - query_len (tokens already cached) and sees key j iff j <= p and (no window or
+p - j < window). Plain causal tiles without a window (SPLIT) run the keys before their first query,
+which every row sees, through a loop without the mask, and only the rest through the masked one.
 
 Keys come from the paged cache (PAGED: position j lives in block block_table[b, j // PAGE] at offset
 j % PAGE; this step's keys are already stored there) or, when there is no cache, from this step's
