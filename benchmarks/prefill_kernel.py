@@ -62,11 +62,18 @@ def build(shape: str, kind: str, n: int, ctx: int, p: int, page: int = 16):
     return q, *kv, cu.to(DEVICE), lens, tables.to(DEVICE), max(q_lens), flops
 
 
-def time_us(fn, reps: int) -> float:
+def time_us(fn, reps: int, warm_s: float = 0.2) -> float:
+    """Mean device time per call over `reps` back-to-back calls, after calling fn for warm_s seconds:
+    a call of under 100 us timed after one warm-up call varied up to 2x between device calls (clocks
+    and caches still settling)."""
+    import time
+
     import torch
 
-    fn()
-    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < warm_s:
+        fn()
+        torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(reps):
@@ -127,7 +134,7 @@ def to_markdown(rows: list[dict], env: dict, command: str) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--reps", type=int, default=100)
     p.add_argument("--out", default="benchmarks/reports/gpu")
     args = p.parse_args()
     rows = []
