@@ -258,7 +258,7 @@ class EngineDeployment:
             if out.finished:
                 self._metrics.observe_finished(out, stream.received)
                 log_finished(out, stream.received, stream.sent)
-            item = to_wire([out], self._token_text)
+            item = to_wire(out, self._token_text)
             if stream.gaps:  # one ITL observation per item: the mean gap of the steps it carries
                 self._metrics.observe_itl(stream.gap_sum / stream.gaps)
                 stream.gap_sum, stream.gaps = 0.0, 0

@@ -1,4 +1,4 @@
-"""Stream items of the engine deployment: merging a request's outputs into one item, and pacing items.
+"""Stream items of the engine deployment: a request's output as one item, and pacing items.
 
 Every item is one message through Serve and one SSE event through the HTTP front, so how many there
 are per second, not how many tokens, is what the serving path pays for (see `Pacer`).
@@ -12,43 +12,25 @@ from collections.abc import Callable
 from engine.outputs import CompletionDelta, RequestOutput
 
 
-def _empty_sample(index: int) -> dict:
-    return {
-        "index": index,
-        "text": "",
-        "token_ids": [],
-        "logprobs": None,
-        "finish_reason": None,
-        "error": None,
-    }
+def to_wire(out: RequestOutput, token_text: Callable[[int], str]) -> dict:
+    """One output of a request as one stream item. The engine replica's `LiveRequest.take` has merged
+    every step since the previous item into it, one delta per sample index.
 
-
-def to_wire(outs: list[RequestOutput], token_text: Callable[[int], str]) -> dict:
-    """Merge consecutive outputs of one request (deltas, in order) into one item.
-
-    Per sample index: text and token ids concatenate; finish_reason/error come from the delta that set
-    them. Usage counts are cumulative in the engine, so the last output's values are the current ones.
-    Logprobs carry token strings (the ingress has no tokenizer): {"token", "logprob", "top": [(str, lp)]}.
-    Prompt logprobs come on the request's first output only (when it asked for them), so the item that
-    holds that output carries them, once: [None, {"token_id", "token", "logprob", "top": [(id, str,
-    lp)]}, ...], entry i for prompt position i (the first token has nothing before it to score it).
+    Usage counts are cumulative in the engine, so the output's values are the current ones. Logprobs
+    carry token strings (the ingress has no tokenizer): {"token", "logprob", "top": [(str, lp)]}.
+    Prompt logprobs come on the request's first output only (when it asked for them): [None,
+    {"token_id", "token", "logprob", "top": [(id, str, lp)]}, ...], entry i for prompt position i (the
+    first token has nothing before it to score it).
     """
-    samples: dict[int, dict] = {}
-    prompt_logprobs = None
-    for out in outs:
-        if out.prompt_logprobs is not None:
-            prompt_logprobs = _prompt_logprobs_wire(out.prompt_logprobs, token_text)
-        for d in out.outputs:
-            _merge_delta(samples.setdefault(d.index, _empty_sample(d.index)), d, token_text)
-    last = outs[-1]
+    plp = out.prompt_logprobs
     return {
         "kind": "output",
-        "outputs": [samples[i] for i in sorted(samples)],
-        "finished": last.finished,
-        "prompt_tokens": last.prompt_tokens,
-        "completion_tokens": last.completion_tokens,
-        "cached_tokens": last.cached_tokens,
-        "prompt_logprobs": prompt_logprobs,
+        "outputs": [_sample_wire(d, token_text) for d in sorted(out.outputs, key=lambda d: d.index)],
+        "finished": out.finished,
+        "prompt_tokens": out.prompt_tokens,
+        "completion_tokens": out.completion_tokens,
+        "cached_tokens": out.cached_tokens,
+        "prompt_logprobs": None if plp is None else _prompt_logprobs_wire(plp, token_text),
     }
 
 
@@ -62,19 +44,18 @@ def _prompt_logprobs_wire(plp: list, token_text: Callable[[int], str]) -> list:
     ]  # fmt: skip
 
 
-def _merge_delta(sample: dict, d: CompletionDelta, token_text: Callable[[int], str]) -> None:
-    """Append one delta of a sample to its wire item `sample` (made by `_empty_sample`)."""
-    sample["text"] += d.text
-    sample["token_ids"].extend(d.token_ids)
+def _sample_wire(d: CompletionDelta, token_text: Callable[[int], str]) -> dict:
+    """One sample's delta on the wire: its text, token ids, logprobs (see `to_wire`), finish reason."""
+    logprobs = None
     if d.logprobs:
-        entries = [
+        logprobs = [
             {"token": token_text(lp.token_id), "logprob": lp.logprob,
              "top": [(token_text(t), v) for t, v in lp.top]}
             for lp in d.logprobs
         ]  # fmt: skip
-        sample["logprobs"] = (sample["logprobs"] or []) + entries
-    if d.finish_reason is not None:
-        sample["finish_reason"], sample["error"] = d.finish_reason, d.error
+    error = d.error if d.finish_reason is not None else None  # an error only ends a sample
+    return {"index": d.index, "text": d.text, "token_ids": list(d.token_ids), "logprobs": logprobs,
+            "finish_reason": d.finish_reason, "error": error}  # fmt: skip
 
 
 class Pacer:

@@ -1,5 +1,5 @@
 """Pieces of the serving path without a server: ITL buckets against a naive histogram, the pacer's
-interval, and merging a request's outputs into one stream item."""
+interval, and a request's output as one stream item."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from app.metrics import _ITL_BUCKETS, ItlBuckets
 from app.streaming import Pacer, to_wire
-from engine.outputs import CompletionDelta, RequestOutput
+from engine.outputs import CompletionDelta, RequestOutput, TokenLogprob
 
 pytestmark = pytest.mark.serving
 
@@ -37,10 +37,18 @@ def test_pacer_bounds_items_per_second_by_open_streams():
     assert pacer.interval(256) == pytest.approx(0.128)
 
 
-def test_to_wire_merges_deltas_in_order():
-    a = RequestOutput("r", [CompletionDelta(0, [1, 2], "ab"), CompletionDelta(1, [3], "c")], False, 5, 3)
-    b = RequestOutput("r", [CompletionDelta(0, [4], "d", finish_reason="length")], False, 5, 4, 2)
-    item = to_wire([a, b], str)
-    assert item["outputs"][0]["text"] == "abd" and item["outputs"][0]["token_ids"] == [1, 2, 4]
-    assert item["outputs"][0]["finish_reason"] == "length" and item["outputs"][1]["text"] == "c"
-    assert (item["completion_tokens"], item["cached_tokens"], item["finished"]) == (4, 2, False)
+def test_to_wire_gives_one_item_per_output():
+    """An output's deltas (one per sample, any order) become the item's samples by index, with token
+    strings for logprobs, the finish reason and error only where a sample ended, and the output's usage."""
+    d1 = CompletionDelta(1, [3], "c", [TokenLogprob(3, -0.5, [(3, -0.5), (9, -1.5)])])
+    d0 = CompletionDelta(0, [1, 2], "ab", finish_reason="length")
+    out = RequestOutput("r", [d1, d0], False, 5, 3, 2)
+    item = to_wire(out, lambda t: f"<{t}>")
+    assert [s["index"] for s in item["outputs"]] == [0, 1]
+    s0, s1 = item["outputs"]
+    assert (s0["text"], s0["token_ids"], s0["logprobs"]) == ("ab", [1, 2], None)
+    assert (s0["finish_reason"], s0["error"]) == ("length", None)
+    assert (s1["finish_reason"], s1["error"]) == (None, None)
+    assert s1["logprobs"] == [{"token": "<3>", "logprob": -0.5, "top": [("<3>", -0.5), ("<9>", -1.5)]}]
+    assert (item["prompt_tokens"], item["completion_tokens"], item["cached_tokens"]) == (5, 3, 2)
+    assert item["finished"] is False and item["prompt_logprobs"] is None
