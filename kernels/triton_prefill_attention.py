@@ -221,6 +221,12 @@ def heads_per_program(group: int, block_m: int) -> int:
     return gp if PACK_GQA and 1 < gp <= block_m // 2 else 1
 
 
+def tile_layout(group: int, block_m: int, num_q_heads: int) -> tuple[int, int, int]:
+    """(GP, queries per tile BQ, head slots of the grid) for BLOCK_M-row tiles."""
+    gp = heads_per_program(group, block_m)
+    return gp, block_m // gp, num_q_heads if gp == 1 else num_q_heads // group
+
+
 def prefill_config(
     head_dim: int,
     fp8_cache: bool = False,
@@ -257,8 +263,8 @@ def prefill_config(
     return bm, bn, num_warps, num_stages
 
 
-def busy_waves(tiles_per_head: int, slots: int, device: torch.device) -> float | None:
-    """Programs with work (tiles_per_head x head slots) per SM; None keeps the default tiles."""
+def busy_waves(tiles_per_head: int, slots: int, device: torch.device) -> float:
+    """Programs with work (tiles_per_head x head slots) per SM."""
     return tiles_per_head * slots / _sm_count(device)
 
 
@@ -335,8 +341,7 @@ def prefill_attention(
     else:  # packed rows: the "block" stride is the token stride, the in-block stride is unused
         kv_strides = (k.stride(0), 0, k.stride(1), v.stride(0), 0, v.stride(1))
         page, bt, stride_bt = 1, cu_seqlens_q, 0  # bt is never read when not PAGED
-    gp = heads_per_program(group, bm)
-    bq, slots = bm // gp, num_q_heads if gp == 1 else num_kv_heads  # queries per tile, head slots
+    gp, bq, slots = tile_layout(group, bm, num_q_heads)
     if mixed:
         grid = (triton.cdiv(num_tokens, bq) + batch, slots)
     else:
@@ -361,11 +366,9 @@ def _launch_config(q, k, group: int, batch: int, max_seqlen_q: int | None, mixed
     fp8 = k.dtype == torch_ops.FP8_DTYPE
     short = None if mixed else max_seqlen_q  # a mixed graph's tiles cannot depend on the data
     wave = not mixed and fits_one_wave(max_seqlen_q, batch, num_q_heads, q.device)
-    bm = prefill_config(q.shape[2], fp8, short, wave)[0]
-    gp = heads_per_program(group, bm)
-    tiles = triton.cdiv(num_tokens, bm // gp) if mixed else triton.cdiv(max_seqlen_q, bm // gp) * batch
-    waves = busy_waves(tiles, num_q_heads if gp == 1 else num_q_heads // group, q.device)
-    return prefill_config(head_dim, fp8, short, wave, waves)
+    _, bq, slots = tile_layout(group, prefill_config(head_dim, fp8, short, wave)[0], num_q_heads)
+    tiles = triton.cdiv(num_tokens, bq) if mixed else triton.cdiv(max_seqlen_q, bq) * batch
+    return prefill_config(head_dim, fp8, short, wave, busy_waves(tiles, slots, q.device))
 
 
 def _visibility_args(visibility, slot_mapping, paged: bool, num_tokens: int, placeholder: torch.Tensor):

@@ -52,8 +52,8 @@ def _graph_summary(graphs: dict[int, DecodeGraphs], mixed: MixedGraphs | None, d
     """Which buckets were captured, for the start-up log."""
     parts = [f"query length {q}: batch {g.buckets[0]}-{g.buckets[-1]}" for q, g in graphs.items()]
     if mixed is not None:
-        tokens = f"{mixed.buckets[0][0]}-{mixed.buckets[-1][0]}"
-        parts.append(f"mixed: {tokens} tokens, 32-{mixed.max_seqs} sequences")
+        tokens, seqs = zip(*mixed.buckets)
+        parts.append(f"mixed: {min(tokens)}-{max(tokens)} tokens, {min(seqs)}-{max(seqs)} sequences")
     if drafting is not None:
         parts.append(f"MTP drafting: batch {drafting.buckets[0]}-{drafting.buckets[-1]}")
     return "; ".join(parts)
