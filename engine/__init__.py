@@ -4,7 +4,7 @@ from engine import LLM, SamplingParams
 LLM("models/tiny-llama").generate(["Hello"], SamplingParams(max_tokens=8))
 """
 
-from engine.sampling_params import BudgetForcing, SamplingParams, ToolConfig
+from engine.sampling_params import BudgetForcing, RequestOutputKind, SamplingParams, ToolConfig
 
 
 def __getattr__(name: str):
@@ -41,6 +41,7 @@ __all__ = [
     "LLMEngine",
     "CoreClient",
     "SamplingParams",
+    "RequestOutputKind",
     "ToolConfig",
     "BudgetForcing",
     "Tokenizer",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from tqdm import tqdm
@@ -10,7 +11,7 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine, Prompt
 from engine.lora.request import LoRARequest
 from engine.outputs import RequestOutput, TokenLogprob
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import RequestOutputKind, SamplingParams
 
 
 @dataclass
@@ -69,6 +70,9 @@ class LLM:
             params = [params or SamplingParams()]
         if len(params) == 1:
             params = params * len(prompts)  # one SamplingParams for every prompt
+        # one output per request, at its end: no text or output objects per step (as vLLM's LLM does)
+        final = {id(p): dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params}
+        params = [final[id(p)] for p in params]
         loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
         if len(loras) != len(prompts):
             raise ValueError(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass, field
 
@@ -17,6 +18,15 @@ MAX_LOGIT_BIAS = 100.0
 def _check(ok: bool, name: str, message: str) -> None:
     if not ok:
         raise InvalidRequestError(f"{name}: {message}", field=name)
+
+
+class RequestOutputKind(enum.Enum):
+    """What the offline engine hands out for a request (vLLM's name). DELTA: each step's new tokens and
+    text. FINAL_ONLY: one output when the request ends, with all of it; its text is made then, at
+    once, unless a stop string has to be looked for as tokens arrive (`LLM.generate` asks for this)."""
+
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass
@@ -81,6 +91,7 @@ class SamplingParams:
     budget_forcing: BudgetForcing | None = None
     # grammar-constrained decoding (engine/structured/compiler.py and state.py); None: free text
     structured: StructuredOutput | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.DELTA  # the offline engine's outputs
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -91,6 +102,11 @@ class SamplingParams:
         self._check_logprobs()
         self.logit_bias = _logit_bias(self.logit_bias)
         self._check_stop_strings()
+        _check(
+            isinstance(self.output_kind, RequestOutputKind),
+            "output_kind",
+            "must be RequestOutputKind.DELTA or RequestOutputKind.FINAL_ONLY",
+        )
         _check(
             self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
             "seed",

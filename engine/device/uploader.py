@@ -26,6 +26,7 @@ class Uploader:
         # per (slot, turn): the pinned buffer, its numpy view, and the event of its last copy out
         self._buffers: dict[tuple[str, int], tuple[torch.Tensor, np.ndarray | None, torch.cuda.Event]] = {}
         self._turn: dict[str, int] = {}
+        self._filled: dict[str, tuple] = {}  # slot -> (key, staged tensor) handed out by `array`
 
     def __call__(self, slot: str, host: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """`host` on the device (into `out` when given). On CPU the host tensor itself is returned."""
@@ -44,6 +45,25 @@ class Uploader:
         key, staged, view = self._stage(slot, len(values), dtype)
         view[:] = values
         return self._send(key, staged, None)
+
+    def array(self, slot: str, n: int, dtype: torch.dtype) -> np.ndarray:
+        """The slot's next buffer as a numpy array of `n` elements for the caller to fill; `send(slot)`
+        then copies it to the device. Filling pinned memory in place saves a host copy per step. On
+        CPU a fresh array, which `send` hands out as a tensor."""
+        if self.device.type != "cuda":
+            array = np.empty(n, dtype=torch.empty(0, dtype=dtype).numpy().dtype)
+            self._filled[slot] = (None, torch.from_numpy(array))
+            return array
+        key, staged, view = self._stage(slot, n, dtype)
+        self._filled[slot] = (key, staged)
+        return view
+
+    def send(self, slot: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The array `array(slot, ...)` handed out, on the device (into `out` when given)."""
+        key, staged = self._filled.pop(slot)
+        if key is None:
+            return staged if out is None else out.copy_(staged)
+        return self._send(key, staged, out)
 
     def _stage(
         self, slot: str, n: int, dtype: torch.dtype

@@ -18,6 +18,7 @@ from engine.core.messages import Records
 from engine.output.state import EngineState
 from engine.outputs import RequestOutput
 from engine.sampling.sampler import PendingSample, SampleResult
+from engine.sampling_params import RequestOutputKind
 from engine.sched.output import SchedulerOutput
 from engine.sched.request import Request
 
@@ -132,12 +133,16 @@ class TokenSink:
         return None
 
     def emit(self) -> list[RequestOutput]:
-        """Text and RequestOutputs for every request that got tokens in the previous step."""
+        """Text and RequestOutputs for every request that got tokens in the previous step; a FINAL_ONLY
+        request's only when it has ended (before that, its text only where a stop string may end it)."""
         touched, self.touched = self.touched, {}
         outputs = []
         for request in touched.values():
             if not self.state.is_live(request):
                 continue  # aborted or failed meanwhile; its final output is already out
+            final_only = request.params.output_kind is RequestOutputKind.FINAL_ONLY
+            if final_only and not request.finished and not request.params.stop:
+                continue  # no stop string to look for: its text is made at its end, at once
             try:
                 for seq in request.seqs:
                     if self.processor.detokenize(seq):
@@ -148,7 +153,8 @@ class TokenSink:
             except Exception as exc:
                 self.fail(request, f"{type(exc).__name__}: {exc}", exc)
                 continue
-            outputs.append(self.outputs.output(request))
+            if request.finished or not final_only:
+                outputs.append(self.outputs.output(request))
         return outputs
 
     def emit_records(self) -> Records:

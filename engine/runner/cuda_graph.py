@@ -109,10 +109,11 @@ class _GraphSet:
         still on the device; `draft_ids`: (rows, ids) of proposals on the device; both written over the
         packed ids (input_ids are the first rows of the int64 buffer; fed-back rows come first)."""
         seqs, rows = self._seqs_rows(key)
-        i64, i32 = pack(batch, seqs, self.width, self.pad_q, rows, real_tables_only=True, lora=self.lora)
+        args = (seqs, self.width, self.pad_q, rows, True, self.lora, upload.array)
+        _, i32 = pack(batch, *args)  # into the uploader's pinned buffers
         static64, static32 = self.inputs[key]
-        upload("i64", i64, out=static64)
-        upload("i32", i32, out=static32[: i32.numel()])  # the padding rows' tables are never needed
+        upload.send("i64", out=static64)
+        upload.send("i32", out=static32[: i32.numel()])  # the padding rows' tables are never needed
         if fed_back is not None:
             static64[: fed_back.shape[0]].copy_(fed_back)
         if draft_ids is not None:
@@ -213,6 +214,6 @@ def eager_inputs(batch: StepBatch, upload: Uploader, block_size: int):
     """(input_ids, positions, metadata) of an eager step on the device, from its two packed buffers; a
     batch of mixed query lengths takes the same attention kernels as a mixed graph."""
     n, width = len(batch.seq_lens), table_width(batch)
-    i64, i32 = pack(batch, n, width)
-    i64, i32 = upload("i64", i64), upload("i32", i32)
+    pack(batch, n, width, alloc=upload.array)  # into the uploader's pinned buffers
+    i64, i32 = upload.send("i64"), upload.send("i32")
     return unpack(i64, i32, batch, n, width, block_size, mixed=batch.uniform_q is None)

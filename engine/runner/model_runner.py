@@ -37,6 +37,7 @@ from engine.runner.mtp_step import MtpStep
 from engine.runner.plain_draw import PlainDraw
 from engine.runner.spec_step import SpecStep
 from engine.runner.step_inputs import StepBatch, build_batch, prompt_logprob_rows
+from engine.runner.table_mirror import TableMirror
 from engine.runner.tp_group import TPGroup
 from engine.runner.tp_model import TPModel, capture_on_all_ranks
 from engine.sampling.sampler import PendingSample, Sampler
@@ -115,6 +116,9 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.draft = self._load_draft(config)
         self.upload = Uploader(self.device)
+        # the block tables of running sequences, kept across steps for `pack` (step_inputs.py)
+        width = -(-self.max_model_len // self.block_size)
+        self.tables = TableMirror(width, 2 * config.scheduler.max_num_seqs)
         self._allocate_kv_cache(config)
         vocab = self.model_config.vocab_size
         sampler = Sampler(vocab, self.device)
@@ -256,6 +260,7 @@ class ModelRunner:
         step with proposals is verified (self.spec) instead: a PendingSpec."""
         self._copy_blocks(out.block_copies)
         batch = build_batch(out, self.block_size, self.mtp.scratch if self.mtp is not None else 0)
+        batch.table_rows = (self.tables, self.tables.index([c.seq.table for c in out.chunks]))
         if self.lora is not None:
             batch.lora_slots = self.lora.token_slots(out.chunks, out.active_loras)
         proposals = self.spec.propose(out, batch) if self.spec is not None else None

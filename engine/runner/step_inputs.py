@@ -21,6 +21,7 @@ a second in the middle of serving (and a first-run penalty in benchmarks).
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -52,6 +53,9 @@ class StepBatch:
     spec_logit_rows: list[int] = field(default_factory=list)
     spec_draft_rows: list[int] = field(default_factory=list)
     lora_slots: list[int] | None = None  # each row's LoRA adapter slot (-1: none); None: no adapter row
+    # (TableMirror, each table's row in it): `pack` gathers the tables from there instead of from
+    # block_tables (the same lists); None: from block_tables
+    table_rows: tuple | None = None
     # gated-LoRA MTP chunks (engine/runner/mtp_step.py): the rows of their mask tokens (k after each real
     # token, their K/V in scratch slots), and per speculating chunk the row of its pending token
     mask_rows: list[int] = field(default_factory=list)
@@ -217,38 +221,69 @@ def pack(
     rows: int | None = None,
     real_tables_only: bool = False,
     lora: bool | None = None,
+    alloc: Alloc | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The two host buffers, padded to `num_seqs` sequences (>= the real count; padding only for
     CUDA-graph steps) and block-table width `width`. Padding sequences have `pad_q` query tokens and
-    seq_len pad_q (a uniform-query graph), or, for a mixed graph (pad_q 0), none and seq_len 0, with
-    the rows padded to `rows` (rows past the real ones belong to no sequence).
+    seq_len pad_q; unless `rows` is given (a mixed graph's bucket), the row count follows from them.
 
     real_tables_only: the int32 buffer ends after the real sequences' table rows, a prefix of the full
     one for a graph's static buffer: the padding rows there keep what an earlier step left, block ids
     of the pool, which a padding sequence reads at most one key of and never uses.
-    lora: write the lora_slots segment (None: when the batch has adapter rows)."""
+    lora: write the lora_slots segment (None: when the batch has adapter rows).
+    alloc(slot, n, dtype): the numpy array each buffer is written into ("i64", "i32"; the Uploader's
+    pinned buffers on a GPU), every entry of it written here; default a fresh array."""
     pad = num_seqs - len(b.seq_lens)
     if rows is None:
         rows = len(b.input_ids) + pad * pad_q
     lay = Layout(rows, num_seqs, b.lora_slots is not None if lora is None else lora)
-    r = lay.row_stride
-    i64 = np.zeros(3 * r, dtype=np.int64)
-    i64[: len(b.input_ids)] = b.input_ids
-    i64[r : r + len(b.positions)] = b.positions
-    i64[2 * r : 2 * r + len(b.slot_mapping)] = b.slot_mapping
-    i64[2 * r + len(b.slot_mapping) : 2 * r + rows] = -1  # padding tokens write nothing
+    alloc = alloc or _fresh
+    i64 = alloc("i64", 3 * lay.row_stride, torch.int64)
+    _pack_rows(i64, b, lay)
     table_rows = len(b.block_tables) if real_tables_only else num_seqs
-    i32 = np.zeros(lay.tables_at + table_rows * width, dtype=np.int32)
+    i32 = alloc("i32", lay.tables_at + table_rows * width, torch.int32)
+    i32[: lay.tables_at] = 0
     i32[1 : len(b.query_lens) + 1] = np.cumsum(b.query_lens)
     i32[len(b.query_lens) + 1 : num_seqs + 1] = i32[len(b.query_lens)] + pad_q * np.arange(1, pad + 1)
     i32[lay.seq_lens_at : lay.seq_lens_at + num_seqs] = b.seq_lens + [pad_q] * pad
     if lay.lora:
         i32[lay.lora_at : lay.lora_at + rows] = -1
         i32[lay.lora_at : lay.lora_at + len(b.lora_slots or ())] = b.lora_slots or ()
-    tables = i32[lay.tables_at :].reshape(table_rows, width)
-    for row, blocks in zip(tables, b.block_tables):
-        row[: len(blocks)] = blocks  # entries past a sequence's last block are never read
+    _pack_tables(i32[lay.tables_at :].reshape(table_rows, width), b)
     return torch.from_numpy(i64), torch.from_numpy(i32)
+
+
+Alloc = Callable[[str, int, torch.dtype], np.ndarray]
+_NUMPY = {torch.int64: np.int64, torch.int32: np.int32}
+
+
+def _fresh(slot: str, n: int, dtype: torch.dtype) -> np.ndarray:
+    return np.empty(n, dtype=_NUMPY[dtype])
+
+
+def _pack_rows(i64: np.ndarray, b: StepBatch, lay: Layout) -> None:
+    """ids | positions | slots, each segment `row_stride` long: padding ids and positions 0, padding
+    slots -1 (they write nothing)."""
+    r, n = lay.row_stride, len(b.input_ids)
+    i64[:n] = b.input_ids
+    i64[n:r] = 0
+    i64[r : r + len(b.positions)] = b.positions
+    i64[r + len(b.positions) : 2 * r] = 0
+    i64[2 * r : 2 * r + len(b.slot_mapping)] = b.slot_mapping
+    i64[2 * r + len(b.slot_mapping) :] = -1
+
+
+def _pack_tables(tables: np.ndarray, b: StepBatch) -> None:
+    """The real sequences' block tables, then 0 (block 0) in any padding rows. Entries past a
+    sequence's last block are never read, whatever they hold."""
+    n = len(b.block_tables)
+    if b.table_rows is not None:
+        b.table_rows[0].gather(b.table_rows[1], tables[:n])
+    else:
+        tables[:n] = 0
+        for row, blocks in zip(tables, b.block_tables):
+            row[: len(blocks)] = blocks
+    tables[n:] = 0
 
 
 def unpack(

@@ -69,6 +69,10 @@ class BlockTable:
 
     blocks: list[int] = field(default_factory=list)
     hashes: list[int] = field(default_factory=list)  # hashes[i] is the chain hash of blocks[i]
+    # Bumped by every change other than an append (a copy-on-write, a trim, a free), so a copy of the
+    # table made at one epoch stays a valid prefix of it while the epoch holds
+    # (engine/runner/table_mirror.py).
+    epoch: int = 0
 
     def copy(self) -> BlockTable:
         return BlockTable(list(self.blocks), list(self.hashes))
@@ -273,6 +277,7 @@ class BlockManager:
             dst = self._allocate()
             self._release(src)
             table.blocks[i] = dst
+            table.epoch += 1
             del table.hashes[i:]  # a written block is no longer the hashed one
             copies.append((src, dst))
         for _ in range(self.blocks_needed(table, start + num_new)):
@@ -283,6 +288,8 @@ class BlockManager:
         """Give back the blocks past the first `num_tokens` positions: after speculative verification
         they hold only rejected draft tokens (never hashed: a hashed block is full of verified tokens)."""
         keep = -(-num_tokens // self.block_size)
+        if len(table.blocks) > keep:
+            table.epoch += 1
         while len(table.blocks) > keep:
             self._release(table.blocks.pop())
         del table.hashes[keep:]
@@ -299,6 +306,7 @@ class BlockManager:
             self._release(block)
         table.blocks.clear()
         table.hashes.clear()
+        table.epoch += 1
 
     # ------------------------------------------------------------------ checks
     def audit(self, live_tables: list[BlockTable]) -> list[str]:
