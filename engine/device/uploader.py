@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 BUFFERS_PER_SLOT = 2
-_NUMPY_DTYPES = {torch.int64, torch.int32, torch.float32}  # what `values` uploads
+# what `values` and `array` take, with the numpy type of each
+NUMPY_DTYPES = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32}
 
 
 class Uploader:
@@ -51,7 +52,7 @@ class Uploader:
         then copies it to the device. Filling pinned memory in place saves a host copy per step. On
         CPU a fresh array, which `send` hands out as a tensor."""
         if self.device.type != "cuda":
-            array = np.empty(n, dtype=torch.empty(0, dtype=dtype).numpy().dtype)
+            array = np.empty(n, dtype=NUMPY_DTYPES[dtype])
             self._filled[slot] = (None, torch.from_numpy(array))
             return array
         key, staged, view = self._stage(slot, n, dtype)
@@ -75,7 +76,7 @@ class Uploader:
         if entry is None or entry[0].numel() < n or entry[0].dtype != dtype:
             size = max(n, 2 * entry[0].numel() if entry is not None else 0, 1)
             buf = torch.empty(size, dtype=dtype, pin_memory=True)
-            view = buf.numpy() if dtype in _NUMPY_DTYPES else None  # `values` writes through it
+            view = buf.numpy() if dtype in NUMPY_DTYPES else None  # `values` writes through it
             entry = self._buffers[key] = (buf, view, torch.cuda.Event())
         else:
             entry[2].synchronize()  # the last copy out of this buffer is done (normally long ago)

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from engine.device.uploader import NUMPY_DTYPES
 from engine.models.attention_context import AttentionMetadata
 from engine.sched.output import SchedulerOutput
 
@@ -213,6 +214,14 @@ class Layout:
         return self.lora_at + (_up(self.rows, 4) if self.lora else 0)
 
 
+# alloc(slot, n, dtype): the array a packed buffer is written into
+Alloc = Callable[[str, int, torch.dtype], np.ndarray]
+
+
+def _fresh(slot: str, n: int, dtype: torch.dtype) -> np.ndarray:
+    return np.empty(n, dtype=NUMPY_DTYPES[dtype])
+
+
 def pack(
     b: StepBatch,
     num_seqs: int,
@@ -251,14 +260,6 @@ def pack(
         i32[lay.lora_at : lay.lora_at + len(b.lora_slots or ())] = b.lora_slots or ()
     _pack_tables(i32[lay.tables_at :].reshape(table_rows, width), b)
     return torch.from_numpy(i64), torch.from_numpy(i32)
-
-
-Alloc = Callable[[str, int, torch.dtype], np.ndarray]
-_NUMPY = {torch.int64: np.int64, torch.int32: np.int32}
-
-
-def _fresh(slot: str, n: int, dtype: torch.dtype) -> np.ndarray:
-    return np.empty(n, dtype=_NUMPY[dtype])
 
 
 def _pack_rows(i64: np.ndarray, b: StepBatch, lay: Layout) -> None:
