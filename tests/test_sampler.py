@@ -115,3 +115,33 @@ def test_stream_keys_are_distinct_63_bit_ints():
     keys = {stream_key(seed, index) for seed in range(200) for index in range(8)}
     assert len(keys) == 1600 and all(0 <= k < 2**63 for k in keys)
     assert stream_key(7, 1) != stream_key(8, 0)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7])
+def test_stream_keys_and_counters_start_16_byte_aligned(n: int):
+    """Triton specialises the sampling kernel on each pointer's 16-byte alignment: with counters right
+    after an odd number of keys, a batch's parity would pick the variant and compile one mid-run."""
+    from engine.device.uploader import Uploader
+    from engine.sampling.rows import RowTensors
+
+    params = SamplingParams(temperature=1.0)
+    rows = [SamplingRow(params, [0], 1, key=100 + i, counter=10 + i) for i in range(n)]
+    keys, counters = RowTensors(Uploader(torch.device("cpu")), V).streams(rows, salt=5)
+    assert keys.tolist() == [(100 + i) ^ 5 for i in range(n)]
+    assert counters.tolist() == [10 + i for i in range(n)]
+    for t in (keys, counters):
+        assert (t.data_ptr() - t.untyped_storage().data_ptr()) % 16 == 0
+
+
+@pytest.mark.parametrize("constrained", [[0], [1, 3], [0, 2, 4]])
+def test_mask_row_maps_start_16_byte_aligned(constrained: list[int]):
+    """The same for a partly constrained batch's two row maps (one upload): rows, then row_of."""
+    from engine.device.uploader import Uploader
+    from engine.runner.plain_draw import PlainDraw
+
+    draw = PlainDraw(Sampler(V, torch.device("cpu")), None, Uploader(torch.device("cpu")), 0)
+    rows, row_of = draw._mask_row_maps(6, constrained)
+    assert rows.tolist() == constrained
+    assert row_of.tolist() == [constrained.index(i) if i in constrained else -1 for i in range(6)]
+    for t in (rows, row_of):
+        assert (t.data_ptr() - t.untyped_storage().data_ptr()) % 16 == 0
