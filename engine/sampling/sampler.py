@@ -16,6 +16,7 @@ computed only for the chunks of requests that ask (engine/runner/step_inputs.pro
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -124,9 +125,12 @@ _M64 = (1 << 64) - 1
 SCORE_ROWS = 256  # prompt positions scored per slice (a 128k vocabulary: 128 MiB of float32 logprobs)
 
 
+@functools.lru_cache(maxsize=1 << 14)
 def stream_key(a: int, b: int) -> int:
     """A 63-bit Philox key for stream (a, b): (seed, sample index) or (engine base key, sequence id).
-    SplitMix64's finaliser scatters nearby inputs (seed 7 index 1 vs seed 8 index 0) across the keys."""
+    SplitMix64's finaliser scatters nearby inputs (seed 7 index 1 vs seed 8 index 0) across the keys.
+    Cached: a running sequence asks for its key every step, and a lookup is several times cheaper than
+    the arithmetic on Python's big ints."""
     z = (a * 0x9E3779B97F4A7C15 + b + 1) & _M64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
