@@ -47,6 +47,18 @@ class Uploader:
         view[:] = values
         return self._send(key, staged, None)
 
+    def segments(self, slot: str, parts: list[list], dtype: torch.dtype) -> list[torch.Tensor]:
+        """Several lists in one upload (`values`), each on the device from a 16-byte boundary: Triton
+        specialises a kernel on each pointer's alignment, so a part right after an odd-sized one
+        would compile another variant whenever the sizes' parity changes."""
+        per, values, starts = 16 // dtype.itemsize, [], []
+        for part in parts:
+            starts.append(len(values))
+            values += part
+            values += [0] * (-len(values) % per)
+        both = self.values(slot, values, dtype)
+        return [both[start : start + len(part)] for start, part in zip(starts, parts, strict=True)]
+
     def array(self, slot: str, n: int, dtype: torch.dtype) -> np.ndarray:
         """The slot's next buffer as a numpy array of `n` elements for the caller to fill; `send(slot)`
         then copies it to the device. Filling pinned memory in place saves a host copy per step. On

@@ -109,8 +109,8 @@ class _GraphSet:
         still on the device; `draft_ids`: (rows, ids) of proposals on the device; both written over the
         packed ids (input_ids are the first rows of the int64 buffer; fed-back rows come first)."""
         seqs, rows = self._seqs_rows(key)
-        args = (seqs, self.width, self.pad_q, rows, True, self.lora, upload.array)
-        _, i32 = pack(batch, *args)  # into the uploader's pinned buffers
+        into = {"real_tables_only": True, "lora": self.lora, "alloc": upload.array}  # the pinned buffers
+        _, i32 = pack(batch, seqs, self.width, self.pad_q, rows, **into)
         static64, static32 = self.inputs[key]
         upload.send("i64", out=static64)
         upload.send("i32", out=static32[: i32.numel()])  # the padding rows' tables are never needed

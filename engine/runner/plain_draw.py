@@ -89,9 +89,6 @@ class PlainDraw:
             row_of = [-1] * num_rows
             for i, r in enumerate(constrained):
                 row_of[r] = i
-            # one upload; row_of starts on a 16-byte boundary (Triton specialises on pointer alignment)
-            at = len(constrained) + len(constrained) % 2
-            gap = [0] * (at - len(constrained))
-            both = self.upload.values("mask_rows", constrained + gap + row_of, torch.long)
-            self._mask_rows = (key, both[: len(constrained)], both[at:])
+            maps = self.upload.segments("mask_rows", [constrained, row_of], torch.long)  # one upload
+            self._mask_rows = (key, *maps)
         return self._mask_rows[1], self._mask_rows[2]

@@ -53,13 +53,9 @@ class RowTensors:
     def streams(self, rows: list[SamplingRow], salt: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """[rows] int64 each: every row's Philox key (XOR `salt`: another stream of the same row) and
         counter, in one upload, each 16-byte aligned."""
-        n = len(rows)
         keys = [r.key for r in rows] if not salt else [r.key ^ salt for r in rows]
-        # the counters start on a 16-byte boundary: Triton specialises the sampling kernel on each
-        # pointer's alignment, so an odd row count would compile another variant mid-run
-        gap = [0] * (n % 2)
-        both = self.upload.values(self._slot["streams"], keys + gap + [r.counter for r in rows], torch.long)
-        return both[:n], both[n + len(gap) :]
+        counters = [r.counter for r in rows]
+        return tuple(self.upload.segments(self._slot["streams"], [keys, counters], torch.long))
 
     def divisors(self, rows: list[SamplingRow]) -> torch.Tensor:
         """[rows, 1] float32: every row's temperature, 1 for greedy rows."""
