@@ -145,3 +145,56 @@ def test_mask_row_maps_start_16_byte_aligned(constrained: list[int]):
     assert row_of.tolist() == [constrained.index(i) if i in constrained else -1 for i in range(6)]
     for t in (rows, row_of):
         assert (t.data_ptr() - t.untyped_storage().data_ptr()) % 16 == 0
+
+
+def _naive_kinds(rows: list[SamplingRow]) -> tuple[bool, bool, bool, bool]:
+    """The four batch facts the draw branches on, each from its own definition."""
+    ps = [r.params for r in rows]
+    penalties = [(p.repetition_penalty, p.presence_penalty, p.frequency_penalty) for p in ps]
+    processors = any(p.logit_bias is not None for p in ps) or any(k != (1, 0, 0) for k in penalties)
+    greedy = all(p.temperature == 0 for p in ps)
+    filters = any(p.temperature > 0 and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0) for p in ps)
+    return any(p.logprobs is not None for p in ps), processors, greedy, filters
+
+
+def test_one_pass_row_kinds_equal_their_definitions():
+    from engine.sampling.sampler import _row_kinds
+
+    rng = np.random.default_rng(0)
+    choices = {
+        "temperature": [0.0, 0.7, 1.0],
+        "top_k": [0, 5],
+        "top_p": [1.0, 0.9],
+        "min_p": [0.0, 0.1],
+        "logprobs": [None, 0, 3],
+        "logit_bias": [None, {1: 2.0}],
+        "repetition_penalty": [1.0, 1.2],
+        "presence_penalty": [0.0, -0.5],
+        "frequency_penalty": [0.0, 0.3],
+    }
+    for _ in range(400):
+        n = int(rng.integers(1, 5))
+        rows = []
+        for i in range(n):
+            # mostly plain rows, so that every flag is sometimes off for the whole batch
+            knobs = {k: v[int(rng.integers(len(v)))] for k, v in choices.items() if rng.random() < 0.15}
+            rows.append(SamplingRow(SamplingParams(**knobs), [0], 1, key=i, counter=1))
+        assert _row_kinds(rows) == _naive_kinds(rows)
+
+
+def test_a_shared_temperature_is_kept_and_mixed_ones_are_uploaded():
+    """Rows that all share a value get one kept device vector (no upload); it holds that value whatever
+    other batches ask for in between, and mixed rows get their own values."""
+    sampler = Sampler(V, torch.device("cpu"))
+    row = lambda t: SamplingRow(SamplingParams(temperature=t), [0], 1, key=1, counter=1)  # noqa: E731
+    same = [row(0.7)] * 5
+    kept = sampler.tensors.draw_temperatures(same, divided=False)
+    assert kept.tolist() == pytest.approx([0.7] * 5)
+    mixed = [row(0.7), row(0.0), row(1.3)]
+    assert sampler.tensors.draw_temperatures(mixed, divided=False).tolist() == pytest.approx([0.7, 0.0, 1.3])
+    assert sampler.tensors.draw_temperatures(mixed, divided=True).tolist() == [1.0, 0.0, 1.0]
+    assert sampler.tensors.divisors(mixed)[:, 0].tolist() == pytest.approx([0.7, 1.0, 1.3])
+    again = sampler.tensors.draw_temperatures(same, divided=False)
+    assert again is kept and again.tolist() == pytest.approx([0.7] * 5)
+    assert sampler.tensors.draw_temperatures(same, divided=True).tolist() == [1.0] * 5
+    assert sampler.tensors.divisors(same).shape == (5, 1)

@@ -21,10 +21,11 @@ import torch
 from engine.device.uploader import Uploader
 from engine.sampling_params import SamplingParams
 
+_UNIFORM_KEPT = 256  # uniform vectors kept at most (batch sizes x values): a bound, never reached in practice
 _SLOTS = ("streams", "temperature", "draw_temperature", "top_k", "top_p", "min_p", "penalties")
 
 
-@dataclass
+@dataclass(slots=True)
 class SamplingRow:
     params: SamplingParams
     token_ids: list[int]  # the sequence's tokens (not copied: sliced only when penalties need them)
@@ -49,6 +50,9 @@ class RowTensors:
         self.upload = upload
         self.vocab_size = vocab_size  # top-k's bound for rows without top-k
         self._slot = {name: prefix + name for name in _SLOTS}
+        # (rows, value) -> a device vector of that value, for a batch whose rows all share it (the
+        # usual case: one temperature for every request); never written, so it is kept across steps
+        self._uniform: dict[tuple[int, float], torch.Tensor] = {}
 
     def streams(self, rows: list[SamplingRow], salt: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """[rows] int64 each: every row's Philox key (XOR `salt`: another stream of the same row) and
@@ -60,7 +64,7 @@ class RowTensors:
     def divisors(self, rows: list[SamplingRow]) -> torch.Tensor:
         """[rows, 1] float32: every row's temperature, 1 for greedy rows."""
         temps = [r.params.temperature or 1.0 for r in rows]
-        return self.upload.values(self._slot["temperature"], temps, torch.float32)[:, None]
+        return self._floats("temperature", temps)[:, None]
 
     def draw_temperatures(self, rows: list[SamplingRow], divided: bool) -> torch.Tensor:
         """[rows] float32, the temperature ops.sample applies: each row's own, or, for logits already
@@ -69,7 +73,21 @@ class RowTensors:
             temps = [1.0 if r.params.temperature else 0.0 for r in rows]
         else:
             temps = [r.params.temperature for r in rows]
-        return self.upload.values(self._slot["draw_temperature"], temps, torch.float32)
+        return self._floats("draw_temperature", temps)
+
+    def _floats(self, slot: str, values: list[float]) -> torch.Tensor:
+        """[rows] float32 on the device, read-only: a kept vector when every row has the same value
+        (no upload; a step's uploads cost host time that a decode step cannot spare), else uploaded."""
+        if not values or values.count(values[0]) != len(values):
+            return self.upload.values(self._slot[slot], values, torch.float32)
+        key = (len(values), values[0])
+        kept = self._uniform.get(key)
+        if kept is None:
+            if len(self._uniform) >= _UNIFORM_KEPT:
+                self._uniform.clear()  # a freed vector is reused only after the kernels that read it
+            kept = torch.full((len(values),), values[0], dtype=torch.float32, device=self.upload.device)
+            self._uniform[key] = kept
+        return kept
 
     def temper(
         self, logits: torch.Tensor, rows: list[SamplingRow], divisors: torch.Tensor | None = None

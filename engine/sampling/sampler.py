@@ -163,21 +163,15 @@ class Sampler:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(sampled ids, raw logprobs or None) on the device; speculative verification draws its rows
         without proposals here too, so they get the very token a plain step would give them."""
-        wants_logprobs = _wants_logprobs(rows)
-        if (
-            mask is None
-            and not wants_logprobs
-            and all(r.params.greedy and _no_processor(r.params) for r in rows)
-        ):
+        wants_logprobs, processors, greedy, filters = _row_kinds(rows)
+        if mask is None and not wants_logprobs and greedy and not processors:
             # The common benchmark case: one argmax, on the model's dtype (widening is exact: same ids).
             return ops.argmax(logits), None
         # reported logprobs are the model's own distribution, before logit_bias and penalties (vLLM's
         # raw logprobs)
         raw_logprobs = torch.log_softmax(logits.float(), dim=-1) if wants_logprobs else None
-        if not all(_no_processor(r.params) for r in rows):
+        if processors:
             logits = self.apply_processors(logits.float(), rows)
-        greedy = all(r.params.greedy for r in rows)
-        filters = not greedy and any(_filters(r.params) for r in rows)
         if mask is not None and filters:  # after logit_bias and penalties, before the filters
             ops.apply_token_bitmask(logits, mask.bitmask, mask.rows)
             mask = None
@@ -254,22 +248,32 @@ class Sampler:
         return logits - freq * out_counts - pres * (out_counts > 0).float()
 
 
-def _wants_logprobs(rows: list[SamplingRow]) -> bool:
-    return any(r.params.logprobs is not None for r in rows)
-
-
-def _filters(p: SamplingParams) -> bool:
-    return not p.greedy and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0)
+def _row_kinds(rows: list[SamplingRow]) -> tuple[bool, bool, bool, bool]:
+    """(some row wants logprobs, some row has logit_bias or a penalty, every row is greedy, some sampled
+    row filters by top-k / top-p / min-p), in one pass: it runs over every row every step."""
+    logprobs = processors = filters = False
+    greedy = True
+    for r in rows:
+        p = r.params
+        if p.logprobs is not None:
+            logprobs = True
+        if (
+            p.logit_bias is not None
+            or p.repetition_penalty != 1.0
+            or p.presence_penalty != 0.0
+            or p.frequency_penalty != 0.0
+        ):
+            processors = True
+        if p.temperature != 0.0:
+            greedy = False
+            if p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0:
+                filters = True
+    return logprobs, processors, greedy, filters
 
 
 def _no_processor(p: SamplingParams) -> bool:
-    """No logit_bias and no penalties (inlined, not via _no_penalty: it runs for every row every step)."""
-    return (
-        p.logit_bias is None
-        and p.repetition_penalty == 1.0
-        and p.presence_penalty == 0.0
-        and p.frequency_penalty == 0.0
-    )
+    """No logit_bias and no penalties."""
+    return p.logit_bias is None and _no_penalty(p)
 
 
 def _no_penalty(p: SamplingParams) -> bool:
