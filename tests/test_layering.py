@@ -70,6 +70,7 @@ ACROSS = {
     ("output", "engine.core.messages"): "the sink and builder write the step's records (wire form)",
     ("output", "engine.core.faults"): "test-only fault injection fires in the output processor",
     ("sched", "engine.structured.compiler"): "admission checks a grammar spec at the door (lazy; llguidance)",
+    ("spec", "engine.device.stream"): "the verifier's result records its copy's event as the sampler's",
     ("spec", "engine.lora.adapter"): "spec/mtp_head.py (gated_lora_mtp) checks its LoRA as adapters are",
     ("spec", "engine.lora.weights"): "... and reads it as adapters are read, for the runner's LoRA slots",
     ("spec", "engine.lora.request"): "... under a LoRARequest, as the host cache and the slots key adapters",

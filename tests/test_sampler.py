@@ -157,8 +157,8 @@ def _naive_kinds(rows: list[SamplingRow]) -> tuple[bool, bool, bool, bool]:
     return any(p.logprobs is not None for p in ps), processors, greedy, filters
 
 
-def test_one_pass_row_kinds_equal_their_definitions():
-    from engine.sampling.sampler import _row_kinds
+def test_one_passrow_kinds_equal_their_definitions():
+    from engine.sampling.sampler import row_kinds
 
     rng = np.random.default_rng(0)
     choices = {
@@ -179,7 +179,7 @@ def test_one_pass_row_kinds_equal_their_definitions():
             # mostly plain rows, so that every flag is sometimes off for the whole batch
             knobs = {k: v[int(rng.integers(len(v)))] for k, v in choices.items() if rng.random() < 0.15}
             rows.append(SamplingRow(SamplingParams(**knobs), [0], 1, key=i, counter=1))
-        assert _row_kinds(rows) == _naive_kinds(rows)
+        assert row_kinds(rows) == _naive_kinds(rows)
 
 
 def test_a_shared_temperature_is_kept_and_mixed_ones_are_uploaded():

@@ -16,6 +16,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from engine.device.stream import record
+
 BUFFERS_PER_SLOT = 2
 # what `values` and `array` take, with the numpy type of each
 NUMPY_DTYPES = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32}
@@ -101,7 +103,7 @@ class Uploader:
             out = staged.to(self.device, non_blocking=True)
         else:
             out.copy_(staged, non_blocking=True)
-        self._buffers[key][2].record()
+        record(self._buffers[key][2], self.device)
         return out
 
 

@@ -30,6 +30,7 @@ from engine.models.parallel import local_config
 from engine.runner import mtp_setup, tp_wire
 from engine.runner.cuda_graph import DecodeGraphs, MixedGraphs, forward_batch, lm_head_rows, pad_rows
 from engine.runner.draft_runner import DraftRunner
+from engine.runner.draw_graphs import DrawGraphs
 from engine.runner.graph_sets import capture_sets, max_graph_batch
 from engine.runner.kv_cache import KVCacheSpec, allocate_kv_cache, kv_cache_dtype, plan_kv_cache
 from engine.runner.kv_offload import KVOffload
@@ -49,7 +50,9 @@ from engine.structured.state import BitmaskFiller
 log = logging.getLogger(__name__)
 
 
-def _graph_summary(graphs: dict[int, DecodeGraphs], mixed: MixedGraphs | None, drafting=None) -> str:
+def _graph_summary(
+    graphs: dict[int, DecodeGraphs], mixed: MixedGraphs | None, drafting=None, draw=None
+) -> str:
     """Which buckets were captured, for the start-up log."""
     parts = [f"query length {q}: batch {g.buckets[0]}-{g.buckets[-1]}" for q, g in graphs.items()]
     if mixed is not None:
@@ -57,6 +60,8 @@ def _graph_summary(graphs: dict[int, DecodeGraphs], mixed: MixedGraphs | None, d
         parts.append(f"mixed: {min(tokens)}-{max(tokens)} tokens, {min(seqs)}-{max(seqs)} sequences")
     if drafting is not None:
         parts.append(f"MTP drafting: batch {drafting.buckets[0]}-{drafting.buckets[-1]}")
+    if draw is not None:
+        parts.append(f"draw: {draw.buckets[0]}-{draw.buckets[-1]} rows")
     return "; ".join(parts)
 
 
@@ -131,6 +136,7 @@ class ModelRunner:
         self.draw = PlainDraw(sampler, bitmasks, self.upload, int(torch.randint(0, 2**62, (1,)).item()))
         max_batch = max_graph_batch(config)
         self.mixed_graphs: MixedGraphs | None = None
+        self.draw_graphs: DrawGraphs | None = None  # the plain draw's graphs (captured with the others)
         self.graphs_by_q = self._capture_graphs(config, max_batch)
         self.graphs: DecodeGraphs | None = self.graphs_by_q.get(1)
         # speculative decoding: proposals and their verification
@@ -236,10 +242,14 @@ class ModelRunner:
                 self.model, self.mtp_head, *args[1:], pool
             )
             self.mtp.capture_drafting(pool)
+        if self.tp is None and self.lora is None and self.mtp is None:  # the plain draw (draw_graphs.py)
+            self.draw_graphs = DrawGraphs(self.model, self.device, self.dtype, hidden, max_batch)
+            self.draw_graphs.capture(graphs[1].pool())
         drafting = self.mtp.draft_graphs if self.mtp is not None else None
-        count = sum(len(g.graphs) for g in [*logged.values(), self.mixed_graphs, drafting] if g is not None)
+        sets = [*logged.values(), self.mixed_graphs, drafting, self.draw_graphs]
+        count = sum(len(g.graphs) for g in sets if g is not None)
         used = (free - torch.cuda.mem_get_info(self.device)[0]) / 2**20
-        summary = _graph_summary(logged, self.mixed_graphs, drafting)
+        summary = _graph_summary(logged, self.mixed_graphs, drafting, self.draw_graphs)
         log.info("captured %d CUDA graphs (%s) in %.1f s, %.0f MiB", count, summary,
                  time.perf_counter() - start, used)  # fmt: skip
         return graphs
@@ -286,7 +296,12 @@ class ModelRunner:
         """The plain step's draw: logits at the sampling rows only, one token per sampling sequence."""
         if not batch.samplers:
             return self.draw.scores_only(scores)
-        logits, rows = self.draw.select(batch, self._logits(batch, hidden))
+        rows = self.draw.rows(batch)
+        graphs = None if out.draw_late else self.draw_graphs
+        if graphs is not None and graphs.bucket(len(rows)) is not None and self.draw.plain(batch, rows):
+            index = None if batch.logit_rows == list(range(len(batch.input_ids))) else batch.logit_rows
+            return PendingSample(graphs.draw(self.upload, hidden, index, rows), None, rows, scores)
+        logits = self.draw.select(batch, self._logits(batch, hidden))
         if out.draw_late:
             # launched ahead: the host has not appended the previous step's tokens, which the grammars
             # and penalties read; the engine draws once it has, while the device runs this forward

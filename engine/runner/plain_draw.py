@@ -17,7 +17,7 @@ import torch
 from engine.device.uploader import Uploader
 from engine.runner.step_inputs import StepBatch
 from engine.sampling.rows import SamplingRow
-from engine.sampling.sampler import PendingSample, PromptScores, Sampler, TokenMask, stream_key
+from engine.sampling.sampler import PendingSample, PromptScores, Sampler, TokenMask, row_kinds, stream_key
 from engine.sched.request import Sequence
 from engine.structured.state import BitmaskFiller
 
@@ -44,12 +44,27 @@ class PlainDraw:
             key = stream_key(self.unseeded_base, seq.seq_id)
         return SamplingRow(params, seq.token_ids, seq.num_prompt, key, position)
 
-    def select(self, batch: StepBatch, logits: torch.Tensor) -> tuple[torch.Tensor, list[SamplingRow]]:
-        """The logits of each sampling sequence (from those of the batch's logit rows) and its row."""
+    def rows(self, batch: StepBatch) -> list[SamplingRow]:
+        """The sampling row of each sampling sequence of the batch."""
+        row = self.row
+        return [row(s, p) for s, p in zip(batch.samplers, batch.draw_positions, strict=True)]
+
+    def select(self, batch: StepBatch, logits: torch.Tensor) -> torch.Tensor:
+        """The logits of each sampling sequence, from those of the batch's logit rows."""
         if batch.sample_rows != list(range(len(batch.logit_rows))):  # n > 1 siblings share a row
             logits = logits.index_select(0, self.upload.values("sample_rows", batch.sample_rows, torch.long))
-        row = self.row
-        return logits, [row(s, p) for s, p in zip(batch.samplers, batch.draw_positions, strict=True)]
+        return logits
+
+    @staticmethod
+    def plain(batch: StepBatch, rows: list[SamplingRow]) -> bool:
+        """True when the step's draw is one token per logit row from the bare logits (DrawGraphs can
+        take it): no n > 1 fan-out, grammar, logprobs, logit_bias, penalty or top-k / top-p / min-p."""
+        if batch.sample_rows != list(range(len(batch.logit_rows))):
+            return False
+        if any(s.grammar is not None for s in batch.samplers):
+            return False
+        logprobs, processors, _, filters = row_kinds(rows)
+        return not (logprobs or processors or filters)
 
     def scores_only(self, scores: PromptScores | None) -> PendingSample | None:
         """The result of a step that samples nothing: its prompt scores, if any."""

@@ -75,7 +75,7 @@ class SpecStep:
         logits = self.compute_logits(hidden.index_select(0, index))
         n = len(batch.logit_rows)
         if batch.samplers:
-            own, rows = self.draw.select(batch, logits[:n])
+            own, rows = self.draw.select(batch, logits[:n]), self.draw.rows(batch)
             plain = self.draw.start(own, rows, scores, batch.samplers)()
         else:
             plain = self.draw.scores_only(scores)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.device.stream import record
 from engine.device.uploader import Uploader
 from engine.sampling.rows import RowTensors, SamplingRow
 from engine.sampling_params import SamplingParams
@@ -101,7 +102,7 @@ class PendingSample(EnqueuedDraw):
         if sampled.is_cuda:
             tensors = [t.to("cpu", non_blocking=True) for t in tensors]  # into pinned memory
             self._event = torch.cuda.Event()
-            self._event.record()
+            record(self._event, sampled.device)
         self._host = tensors
 
     def resolve(self) -> SampleResult:
@@ -163,7 +164,7 @@ class Sampler:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(sampled ids, raw logprobs or None) on the device; speculative verification draws its rows
         without proposals here too, so they get the very token a plain step would give them."""
-        wants_logprobs, processors, greedy, filters = _row_kinds(rows)
+        wants_logprobs, processors, greedy, filters = row_kinds(rows)
         if mask is None and not wants_logprobs and greedy and not processors:
             # The common benchmark case: one argmax, on the model's dtype (widening is exact: same ids).
             return ops.argmax(logits), None
@@ -248,7 +249,7 @@ class Sampler:
         return logits - freq * out_counts - pres * (out_counts > 0).float()
 
 
-def _row_kinds(rows: list[SamplingRow]) -> tuple[bool, bool, bool, bool]:
+def row_kinds(rows: list[SamplingRow]) -> tuple[bool, bool, bool, bool]:
     """(some row wants logprobs, some row has logit_bias or a penalty, every row is greedy, some sampled
     row filters by top-k / top-p / min-p), in one pass: it runs over every row every step."""
     logprobs = processors = filters = False

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.device.stream import record
 from engine.sampling.rows import RowTensors, SamplingRow
 from engine.sampling.sampler import (
     EnqueuedDraw,
@@ -92,7 +93,7 @@ class PendingSpec(EnqueuedDraw):
         if argmax.is_cuda:
             tensors = [t.to("cpu", non_blocking=True) for t in tensors]
             self._event = torch.cuda.Event()
-            self._event.record()
+            record(self._event, argmax.device)
         self._host = tensors
         self._sampled_index = sampled[2] if sampled is not None else []
 
