@@ -299,7 +299,7 @@ class ModelRunner:
         rows = self.draw.rows(batch)
         graphs = None if out.draw_late else self.draw_graphs
         if graphs is not None and graphs.bucket(len(rows)) is not None and self.draw.plain(batch, rows):
-            index = None if batch.logit_rows == list(range(len(batch.input_ids))) else batch.logit_rows
+            index = None if batch.logits_at_every_row else batch.logit_rows
             return PendingSample(graphs.draw(self.upload, hidden, index, rows), None, rows, scores)
         logits = self.draw.select(batch, self._logits(batch, hidden))
         if out.draw_late:
@@ -315,7 +315,7 @@ class ModelRunner:
         shape keeps changing from step to step, and a few more rows cost the weight-bound head little."""
         rows, n = batch.logit_rows, len(batch.logit_rows)
         m = lm_head_rows(n) if self.device.type == "cuda" else n
-        if rows != list(range(len(batch.input_ids))):  # decode steps sample every row
+        if not batch.logits_at_every_row:
             index = rows + [rows[-1]] * (m - n)
             hidden = hidden.index_select(0, self.upload.values("logit_rows", index, torch.long))
             return self.model.compute_logits(hidden)[:n]

@@ -51,7 +51,7 @@ class PlainDraw:
 
     def select(self, batch: StepBatch, logits: torch.Tensor) -> torch.Tensor:
         """The logits of each sampling sequence, from those of the batch's logit rows."""
-        if batch.sample_rows != list(range(len(batch.logit_rows))):  # n > 1 siblings share a row
+        if batch.shares_logit_rows:
             logits = logits.index_select(0, self.upload.values("sample_rows", batch.sample_rows, torch.long))
         return logits
 
@@ -59,9 +59,7 @@ class PlainDraw:
     def plain(batch: StepBatch, rows: list[SamplingRow]) -> bool:
         """True when the step's draw is one token per logit row from the bare logits (DrawGraphs can
         take it): no n > 1 fan-out, grammar, logprobs, logit_bias, penalty or top-k / top-p / min-p."""
-        if batch.sample_rows != list(range(len(batch.logit_rows))):
-            return False
-        if any(s.grammar is not None for s in batch.samplers):
+        if batch.shares_logit_rows or any(s.grammar is not None for s in batch.samplers):
             return False
         logprobs, processors, _, filters = row_kinds(rows)
         return not (logprobs or processors or filters)

@@ -63,6 +63,16 @@ class StepBatch:
     mtp_first: list[int] = field(default_factory=list)
 
     @property
+    def shares_logit_rows(self) -> bool:
+        """n > 1 siblings draw from one logits row: sample_rows is not one row per logit row."""
+        return self.sample_rows != list(range(len(self.logit_rows)))
+
+    @property
+    def logits_at_every_row(self) -> bool:
+        """Every packed row is a logit row (decode steps): the forward's rows need no gather."""
+        return self.logit_rows == list(range(len(self.input_ids)))
+
+    @property
     def is_decode(self) -> bool:
         return all(n == 1 for n in self.query_lens)
 
