@@ -14,6 +14,7 @@ No `from __future__ import annotations` here: FastAPI must see the route paramet
 mistaken for a query parameter).
 """
 
+import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -43,6 +44,9 @@ from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("ray.serve")
+# /health answers 503 when no engine replica answers within this: Serve holds a call while the only
+# replica is being replaced, and a health probe must get an answer rather than wait that long.
+HEALTH_TIMEOUT_S = 10.0
 api = FastAPI(title="minserve", description="OpenAI-compatible completions on a paged-KV engine.")
 
 
@@ -101,7 +105,12 @@ class Ingress:
     @api.get("/health")
     async def health(self) -> Response:
         try:
-            alive = await self._engine.is_alive.remote()
+            alive = await asyncio.wait_for(self._engine.is_alive.remote(), HEALTH_TIMEOUT_S)
+        except TimeoutError:
+            why = f"no engine replica answered within {HEALTH_TIMEOUT_S:g} s; one may be starting or replaced"
+            return ApiError(
+                503, why, "server_error", code="engine_unavailable", retry_after=self._retry_after
+            ).response()
         except Exception as exc:
             return call_failure(exc, self._retry_after).response()
         if not alive:

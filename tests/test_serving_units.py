@@ -1,5 +1,5 @@
 """Pieces of the serving path without a server: ITL buckets against a naive histogram, the pacer's
-interval, and a request's output as one stream item."""
+interval, a request's output as one stream item, and /health when no engine replica answers."""
 
 from __future__ import annotations
 
@@ -52,3 +52,27 @@ def test_to_wire_gives_one_item_per_output():
     assert s1["logprobs"] == [{"token": "<3>", "logprob": -0.5, "top": [("<3>", -0.5), ("<9>", -1.5)]}]
     assert (item["prompt_tokens"], item["completion_tokens"], item["cached_tokens"]) == (5, 3, 2)
     assert item["finished"] is False and item["prompt_logprobs"] is None
+
+
+def test_health_answers_503_when_no_engine_replica_answers(monkeypatch):
+    """While the only engine replica is being replaced, Serve holds a call to it: /health must still
+    answer, 503 with Retry-After, once HEALTH_TIMEOUT_S has passed."""
+    import asyncio
+    import json
+
+    from app import ingress
+
+    monkeypatch.setattr(ingress, "HEALTH_TIMEOUT_S", 0.2)
+
+    class NoReplica:  # a handle whose calls are never answered
+        class is_alive:
+            @staticmethod
+            def remote():
+                return asyncio.get_running_loop().create_future()
+
+    cls = ingress.Ingress.func_or_class
+    route = object.__new__(cls)
+    route._engine, route._retry_after = NoReplica(), 3
+    answer = asyncio.run(cls.health(route))
+    assert answer.status_code == 503 and answer.headers["retry-after"] == "3"
+    assert json.loads(answer.body)["error"]["code"] == "engine_unavailable"
