@@ -68,7 +68,8 @@ def _decoder(x, res, layers, caches, positions, slots, block_tables, seq_lens, c
             q.view(rows, HEADS, HEAD_DIM), k.view(rows, KV_HEADS, HEAD_DIM), v.view(rows, KV_HEADS, HEAD_DIM),
             positions, cos_sin, kc, vc, slots,
         )  # fmt: skip
-        meta = type("Meta", (), dict(block_tables=block_tables, seq_lens=seq_lens, is_decode=True))()
+        fields = dict(block_tables=block_tables, seq_lens=seq_lens, is_decode=True, mixed=False)
+        meta = type("Meta", (), fields)()  # what ops.attention reads of a decode step's metadata
         a = ops.attention(q, None, None, kc, vc, meta, HEAD_DIM**-0.5)
         x = ops.quant_linear(a.reshape(rows, -1), *p["o"], None, None, "channel", None)
         h, res = ops.add_rms_norm(x, res, p["norm2"], 1e-5)
