@@ -32,6 +32,40 @@ def _eos_ids_from(path: Path) -> set[int]:
     return {int(v) for v in value} if isinstance(value, list) else {int(value)}
 
 
+# The tokenizer class that transformers' AutoTokenizer picks for a model type when tokenizer_config.json
+# declares one of these: it then keeps the declared class, which can be named directly. Going through
+# AutoTokenizer instead loads the model's config class, whose imports (torch among them) take seconds
+# of every engine replica's and engine core's start.
+_KEPT_AS_DECLARED = {
+    "llama": {"PreTrainedTokenizerFast", "TokenizersBackend"},
+    "qwen3": {"PreTrainedTokenizerFast", "TokenizersBackend", "Qwen2Tokenizer", "Qwen2TokenizerFast"},
+    "gemma3": {"PreTrainedTokenizerFast", "TokenizersBackend", "GemmaTokenizer", "GemmaTokenizerFast"},
+    "gemma3_text": {"PreTrainedTokenizerFast", "TokenizersBackend", "GemmaTokenizer", "GemmaTokenizerFast"},
+}
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError):
+        return {}  # AutoTokenizer then reads the file and reports what is wrong with it
+
+
+def _declared_class(path: Path) -> Any:
+    """The class that loads this checkpoint's tokenizer: the declared one where AutoTokenizer is known to
+    keep it (tests/test_tokenizer_class.py checks the two agree), else AutoTokenizer itself."""
+    import transformers  # heavy import, only when a tokenizer is really loaded
+
+    declared = _read_json(path / "tokenizer_config.json")
+    model_type = _read_json(path / "config.json").get("model_type")
+    name = declared.get("tokenizer_class")
+    if "auto_map" in declared or name not in _KEPT_AS_DECLARED.get(model_type, ()):
+        return transformers.AutoTokenizer
+    if name in ("PreTrainedTokenizerFast", "TokenizersBackend"):
+        return transformers.PreTrainedTokenizerFast  # TokenizersBackend under its older name
+    return getattr(transformers, name.removesuffix("Fast"))  # one class per family, as AutoTokenizer names it
+
+
 class Tokenizer:
     """Encode/decode text and render chats for one checkpoint directory."""
 
@@ -63,10 +97,8 @@ class Tokenizer:
                 f"checkpoint's tokenizer.json and tokenizer_config.json into it, or make a checkpoint "
                 f"with `python -m scripts.make_model`"
             )
-        from transformers import AutoTokenizer  # heavy import, only when a tokenizer is really loaded
-
         try:
-            hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+            hf = _declared_class(path).from_pretrained(str(path), local_files_only=True)
         except (OSError, ValueError, KeyError) as exc:
             raise ValueError(f"could not load the tokenizer in {path}: {exc}") from exc
         return cls(hf, path)
