@@ -32,17 +32,10 @@ LONG_TESTS := tests/test_hardening.py::test_soak_2min_w2 tests/test_serving_chao
 	tests/test_kv_offload_serving.py::test_the_benchmark_smoke_serves_w4_with_the_tier_off_and_on \
 	tests/test_serving_scaleout.py::test_losing_a_replica_loses_no_request_that_had_not_started_streaming
 
-# The project's modules compiled once before the tests: where PYTHONDONTWRITEBYTECODE is set (this
-# machine's shells set it), every process the tests start (engine cores, Serve replicas, TP workers)
-# would otherwise compile them again, about a second each. __pycache__ is git-ignored.
-PYC := $(PY) -m compileall -q -j 0 app engine kernels scripts benchmarks loadtests tests > /dev/null
-
 test: .venv/.installed lint $(MODEL_DIR)/config.json
-	$(PYC)
 	$(PY) -m pytest -q -p no:cacheprovider tests $(addprefix --deselect ,$(LONG_TESTS))
 
 test-long: .venv/.installed $(MODEL_DIR)/config.json
-	$(PYC)
 	$(PY) -m pytest -q -p no:cacheprovider $(LONG_TESTS)
 
 # The real lm-eval and guidellm clients against the server (tests/test_clients.py), apart from `make test`
