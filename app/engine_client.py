@@ -51,13 +51,17 @@ MAX_ADAPTER_HANDLES = 1024  # per-adapter handles kept (one per adapter name)
 ABORT_BATCH_S = 0.05  # explicit aborts wait this long to share one call (Serve's own cancel goes at once)
 
 
+def engine_unavailable(message: str, retry_after: int) -> ApiError:
+    """503 engine_unavailable: no engine replica can take the call now (one may be starting or replaced)."""
+    return ApiError(503, message, "server_error", code="engine_unavailable", retry_after=retry_after)
+
+
 def call_failure(exc: BaseException, retry_after: int) -> ApiError:
     """A failed call to the engine deployment (as opposed to an error the engine reported)."""
     if isinstance(exc, BackPressureError):
         return overloaded(f"server busy: {exc}", retry_after)
     if isinstance(exc, (DeploymentUnavailableError, RayActorError)):
-        message = f"engine unavailable: {type(exc).__name__}"
-        return ApiError(503, message, "server_error", code="engine_unavailable", retry_after=retry_after)
+        return engine_unavailable(f"engine unavailable: {type(exc).__name__}", retry_after)
     logger.error("engine call failed: %r", exc)
     return internal(f"engine call failed: {type(exc).__name__}: {exc}")
 

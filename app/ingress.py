@@ -25,7 +25,15 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from app import routing_table, security
-from app.engine_client import EngineClient, EngineStream, StreamsResponse, call_failure, cancel_all, merge
+from app.engine_client import (
+    EngineClient,
+    EngineStream,
+    StreamsResponse,
+    call_failure,
+    cancel_all,
+    engine_unavailable,
+    merge,
+)
 from app.errors import ApiError, from_engine_error, internal
 from app.http_errors import install_error_handlers, reject
 from app.ingress_timing import FirstText, arrival_time
@@ -108,9 +116,7 @@ class Ingress:
             alive = await asyncio.wait_for(self._engine.is_alive.remote(), HEALTH_TIMEOUT_S)
         except TimeoutError:
             why = f"no engine replica answered within {HEALTH_TIMEOUT_S:g} s; one may be starting or replaced"
-            return ApiError(
-                503, why, "server_error", code="engine_unavailable", retry_after=self._retry_after
-            ).response()
+            return engine_unavailable(why, self._retry_after).response()
         except Exception as exc:
             return call_failure(exc, self._retry_after).response()
         if not alive:
