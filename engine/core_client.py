@@ -91,11 +91,9 @@ class CoreClient:
         prefix-aware routing; without it the core never builds one. env: variables set in the core's
         environment (and its tensor-parallel workers'), e.g. the GPUs of a server's placement group.
         deferred_text: on_step gets StepNotes, and outputs come from `take` (module docstring)."""
-        self.tokenizer = Tokenizer.from_dir(config.load.model)
         self.model_name = config.load.model.rstrip("/").split("/")[-1]
         self._on_step = on_step
         self._deferred = deferred_text
-        self._fault = FaultInjector(config.fault_injection, self.tokenizer.decode).checker()
         self._live: dict[str, LiveRequest] = {}
         self._lock = threading.Lock()
         self._outbox: list[Command] = []
@@ -107,7 +105,8 @@ class CoreClient:
         self._prefix_summary: tuple[int, list[int], list[int]] = (1, [], [])
         self._audit: list[str] = []
         self.proc, self._conn = self._start(Start(config, null_step_ms, prefix_summary), env or {})
-        ready = self._conn.recv_ready()
+        ready = self._tokenizer_then_ready(config.load.model)
+        self._fault = FaultInjector(config.fault_injection, self.tokenizer.decode).checker()
         self.limits: admission.Limits = ready.limits
         self._loras = LoRAMirror(LoRAAdmission(ready.lora_shapes, config.max_lora_rank))
         self.max_model_len = self.limits.max_model_len
@@ -147,6 +146,19 @@ class CoreClient:
         conn = _CoreConnection(ours.detach())
         conn.send(start)
         return started[0], conn
+
+    def _tokenizer_then_ready(self, model_dir: str) -> Ready:
+        """Load this side's tokenizer while the core starts (imports, weights), then wait for the core's
+        Ready. If either fails, the core is ended before the error propagates: nothing is left behind."""
+        try:
+            self.tokenizer = Tokenizer.from_dir(model_dir)
+            return self._conn.recv_ready()
+        except BaseException:
+            self._conn.close()
+            if self.proc.poll() is None:
+                self.proc.kill()
+            self.proc.wait()
+            raise
 
     # ------------------------------------------------------------------ called from any thread
     def submit(

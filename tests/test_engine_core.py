@@ -146,6 +146,29 @@ def test_abort_frees_kv_blocks_across_the_process_boundary(client):
     assert client.audit() == []
 
 
+def test_a_client_that_fails_to_start_ends_the_core_it_started(tiny_model_dir, monkeypatch):
+    """The client loads its tokenizer while the core starts: when that load fails, the error propagates
+    and the already running core is ended, not left waiting for a client that never came."""
+    import engine.core_client as core_client
+
+    started = []
+    start = CoreClient._start
+
+    def recording_start(self, *args):
+        started.append(start(self, *args))
+        return started[-1]
+
+    def broken_tokenizer(path):
+        raise ValueError(f"could not load the tokenizer in {path}: test")
+
+    monkeypatch.setattr(CoreClient, "_start", recording_start)
+    monkeypatch.setattr(core_client.Tokenizer, "from_dir", staticmethod(broken_tokenizer))
+    with pytest.raises(ValueError, match="could not load the tokenizer"):
+        CoreClient(EngineConfig.from_kwargs(str(tiny_model_dir)), Collector())
+    (proc, conn) = started[0]
+    assert proc.poll() is not None and conn.closed
+
+
 def test_killing_the_core_fails_open_requests(tiny_model_dir):
     sink = Collector()
     c = CoreClient(EngineConfig.from_kwargs(str(tiny_model_dir)), sink)
