@@ -32,10 +32,10 @@ def _eos_ids_from(path: Path) -> set[int]:
     return {int(v) for v in value} if isinstance(value, list) else {int(value)}
 
 
-# The tokenizer class that transformers' AutoTokenizer picks for a model type when tokenizer_config.json
-# declares one of these: it then keeps the declared class, which can be named directly. Going through
-# AutoTokenizer instead loads the model's config class, whose imports (torch among them) take seconds
-# of every engine replica's and engine core's start.
+# The tokenizer class that transformers' (5.x) AutoTokenizer picks for a model type when
+# tokenizer_config.json declares one of these: it then keeps the declared class, which can be named
+# directly. Going through AutoTokenizer instead loads the model's config class, whose imports (torch
+# among them) take seconds of every engine replica's and engine core's start.
 _KEPT_AS_DECLARED = {
     "llama": {"PreTrainedTokenizerFast", "TokenizersBackend"},
     "qwen3": {"PreTrainedTokenizerFast", "TokenizersBackend", "Qwen2Tokenizer", "Qwen2TokenizerFast"},
@@ -46,9 +46,10 @@ _KEPT_AS_DECLARED = {
 
 def _read_json(path: Path) -> dict:
     try:
-        return json.loads(path.read_text()) if path.is_file() else {}
+        value = json.loads(path.read_text()) if path.is_file() else {}
     except (OSError, ValueError):
-        return {}  # AutoTokenizer then reads the file and reports what is wrong with it
+        value = {}  # AutoTokenizer then reads the file and reports what is wrong with it
+    return value if isinstance(value, dict) else {}
 
 
 def _declared_class(path: Path) -> Any:
@@ -58,8 +59,9 @@ def _declared_class(path: Path) -> Any:
 
     declared = _read_json(path / "tokenizer_config.json")
     model_type = _read_json(path / "config.json").get("model_type")
-    name = declared.get("tokenizer_class")
-    if "auto_map" in declared or name not in _KEPT_AS_DECLARED.get(model_type, ()):
+    name = declared.get("tokenizer_class") if isinstance(declared.get("tokenizer_class"), str) else None
+    major = int(transformers.__version__.split(".")[0])  # 4.x picks fast classes by other rules
+    if major < 5 or "auto_map" in declared or name not in _KEPT_AS_DECLARED.get(model_type, ()):
         return transformers.AutoTokenizer
     if name in ("PreTrainedTokenizerFast", "TokenizersBackend"):
         return transformers.PreTrainedTokenizerFast  # TokenizersBackend under its older name

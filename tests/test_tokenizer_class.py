@@ -43,10 +43,12 @@ CASES = [(model_type, name) for model_type, names in _KEPT_AS_DECLARED.items() f
 
 @pytest.mark.parametrize("model_type,declared", CASES)
 def test_the_named_class_loads_what_autotokenizer_loads(tmp_path, model_type, declared):
+    import transformers
     from transformers import AutoTokenizer
 
     path = _checkpoint(tmp_path, model_type, declared)
-    assert _declared_class(path).__name__ != "AutoTokenizer"
+    if int(transformers.__version__.split(".")[0]) >= 5:  # 4.x always goes through AutoTokenizer
+        assert _declared_class(path).__name__ != "AutoTokenizer"
     ours = Tokenizer.from_dir(path).hf
     reference = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     assert _facts(ours) == _facts(reference)
