@@ -36,11 +36,13 @@ def _eos_ids_from(path: Path) -> set[int]:
 # tokenizer_config.json declares one of these: it then keeps the declared class, which can be named
 # directly. Going through AutoTokenizer instead loads the model's config class, whose imports (torch
 # among them) take seconds of every engine replica's and engine core's start.
+_BACKEND = {"PreTrainedTokenizerFast", "TokenizersBackend"}  # one class under two names
+_GEMMA = _BACKEND | {"GemmaTokenizer", "GemmaTokenizerFast"}
 _KEPT_AS_DECLARED = {
-    "llama": {"PreTrainedTokenizerFast", "TokenizersBackend"},
-    "qwen3": {"PreTrainedTokenizerFast", "TokenizersBackend", "Qwen2Tokenizer", "Qwen2TokenizerFast"},
-    "gemma3": {"PreTrainedTokenizerFast", "TokenizersBackend", "GemmaTokenizer", "GemmaTokenizerFast"},
-    "gemma3_text": {"PreTrainedTokenizerFast", "TokenizersBackend", "GemmaTokenizer", "GemmaTokenizerFast"},
+    "llama": _BACKEND,
+    "qwen3": _BACKEND | {"Qwen2Tokenizer", "Qwen2TokenizerFast"},
+    "gemma3": _GEMMA,
+    "gemma3_text": _GEMMA,
 }
 
 
@@ -59,11 +61,12 @@ def _declared_class(path: Path) -> Any:
 
     declared = _read_json(path / "tokenizer_config.json")
     model_type = _read_json(path / "config.json").get("model_type")
-    name = declared.get("tokenizer_class") if isinstance(declared.get("tokenizer_class"), str) else None
+    name = declared.get("tokenizer_class")
     major = int(transformers.__version__.split(".")[0])  # 4.x picks fast classes by other rules
-    if major < 5 or "auto_map" in declared or name not in _KEPT_AS_DECLARED.get(model_type, ()):
+    kept = _KEPT_AS_DECLARED.get(model_type, set())
+    if major < 5 or "auto_map" in declared or not isinstance(name, str) or name not in kept:
         return transformers.AutoTokenizer
-    if name in ("PreTrainedTokenizerFast", "TokenizersBackend"):
+    if name in _BACKEND:
         return transformers.PreTrainedTokenizerFast  # TokenizersBackend under its older name
     return getattr(transformers, name.removesuffix("Fast"))  # one class per family, as AutoTokenizer names it
 
