@@ -20,6 +20,11 @@ if not torch.cuda.is_available():
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One intra-op thread for torch here and in every process the tests start (engine cores, workers): on
+# the tests' small tensors a second thread mostly spins, the same wall time for twice the CPU, and
+# `make test` runs two pytest workers on a two-core machine.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 def _template_is_current(model_dir: Path) -> bool:
@@ -68,7 +73,8 @@ def _on_default_server(item: pytest.Item) -> bool:
     return "default_server" in getattr(item, "fixturenames", ())
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The tests on the shared server run one after another, where the first of them is (files keep
     their order), so that it starts once. Each module's tests stay together and in order."""
     shared = [item for item in items if _on_default_server(item)]
@@ -76,6 +82,17 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         at = items.index(shared[0])
         rest = [item for item in items if not _on_default_server(item)]
         items[:] = rest[:at] + shared + rest[at:]
+    if config.pluginmanager.hasplugin("xdist"):
+        for item in items:
+            item.add_marker(pytest.mark.xdist_group(_worker_group(item)))
+
+
+def _worker_group(item: pytest.Item) -> str:
+    """Under pytest-xdist with `--dist loadgroup` (`make test` runs two workers), a group runs whole on
+    one worker, in order. The `serving` modules form one group: Ray hosts one Serve instance per
+    process, and the shared server and the ports they hold assume one server at a time. Every other
+    module is a group of its own, so that its module fixtures are built once."""
+    return "serving" if item.get_closest_marker("serving") else item.nodeid.split("::")[0]
 
 
 @pytest.hookimpl(wrapper=True)

@@ -115,7 +115,9 @@ def start_server(
     headers = {"Authorization": f"Bearer {args['api_key']}"} if args.get("api_key") else {}
     global ray_driver_started
     ray_driver_started = True
-    where = {"address": address} if address else {"num_cpus": 2, "include_dashboard": False}
+    # "local": a Ray of its own, never one that `ray start` (or another test's `serve run`) left to find
+    local = {"address": "local", "num_cpus": 2, "include_dashboard": False}
+    where = {"address": address} if address else local
     if fake_gpus:
         where["num_gpus"] = fake_gpus
     context = ray.init(

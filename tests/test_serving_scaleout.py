@@ -207,7 +207,8 @@ def test_scale_down_lets_the_leaving_replica_finish_its_streams(tiny_model_dir):
 
     from tests.serving_fixtures import ROOT, _build, _merge
 
-    step_ms, max_tokens = 25, 1800  # 45 s a stream: beyond the 35 s Serve gives a leaving ingress
+    # 45 s a stream: beyond the 35 s Serve gives a leaving ingress; slow steps keep its CPU cost low
+    step_ms, max_tokens = 100, 450
     overrides = {**TWO, "prefix_aware_routing": True, "engine_graceful_shutdown_timeout_s": 120}
     overrides |= {"null_core_step_ms": step_ms}
     # Serve's own deregistration window for a leaving ingress, as in production (the 35 s above)
