@@ -21,7 +21,7 @@ fi
 # uv resolves and installs the rest in seconds where pip takes minutes; pip is the fallback wherever uv
 # cannot be installed or cannot do it. torch is pinned to the one the venv has: uv reads neither pip's
 # configuration nor this machine's local wheels, and must never swap the CPU build for a CUDA one.
-.venv/bin/python -c "import torch; print('torch==' + torch.__version__)" > .venv/torch-pin.txt
+.venv/bin/python -W ignore -c "import torch; print('torch==' + torch.__version__)" > .venv/torch-pin.txt
 if ! { .venv/bin/pip install -q uv 2>/dev/null &&
   .venv/bin/uv pip install --python .venv/bin/python -q --constraint .venv/torch-pin.txt -e ".[serve,load,dev]"; }
 then

@@ -3,6 +3,7 @@ once for the modules that need no server configuration of their own), and the or
 
 from __future__ import annotations
 
+import fnmatch
 import importlib.util
 import json
 import os
@@ -73,8 +74,7 @@ def _on_default_server(item: pytest.Item) -> bool:
     return "default_server" in getattr(item, "fixturenames", ())
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The tests on the shared server run one after another, where the first of them is (files keep
     their order), so that it starts once. Each module's tests stay together and in order."""
     shared = [item for item in items if _on_default_server(item)]
@@ -82,17 +82,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         at = items.index(shared[0])
         rest = [item for item in items if not _on_default_server(item)]
         items[:] = rest[:at] + shared + rest[at:]
-    if config.pluginmanager.hasplugin("xdist"):
-        for item in items:
-            item.add_marker(pytest.mark.xdist_group(_worker_group(item)))
-
-
-def _worker_group(item: pytest.Item) -> str:
-    """Under pytest-xdist with `--dist loadgroup` (`make test` runs two workers), a group runs whole on
-    one worker, in order. The `serving` modules form one group: Ray hosts one Serve instance per
-    process, and the shared server and the ports they hold assume one server at a time. Every other
-    module is a group of its own, so that its module fixtures are built once."""
-    return "serving" if item.get_closest_marker("serving") else item.nodeid.split("::")[0]
 
 
 @pytest.hookimpl(wrapper=True)
@@ -128,6 +117,27 @@ collect_ignore_glob = list(_SERVING_MODULES) if _serving_stack_missing() else []
 # The property-based tests need hypothesis (the [dev] extra), which a bare GPU host may lack too.
 if importlib.util.find_spec("hypothesis") is None:
     collect_ignore_glob += ["test_scheduler.py", "test_block_manager_stateful.py", "test_hardening*.py"]
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """With pytest-xdist's `--dist loadfile` (`make test` runs a worker per core), the serving modules
+    run whole and in order on one worker: Ray hosts one Serve instance per process, and the shared
+    server assumes one server at a time. Every other module runs whole on whichever worker is free."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ServingTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return "serving" if _is_serving_module(module) else module
+
+    return ServingTogether(config, log)
+
+
+def _is_serving_module(path: str) -> bool:
+    return any(fnmatch.fnmatch(Path(path).name, pattern) for pattern in _SERVING_MODULES)
 
 
 _EXIT_STATUS = pytest.StashKey[int]()

@@ -128,13 +128,18 @@ def start_server(
         **({} if address else {"_system_config": {"metrics_report_interval_ms": 1000}}),
     )
     port = _free_port()
-    serve.start(
-        http_options={"host": "127.0.0.1", "port": port, **({"location": "HeadOnly"} if address else {})},
-        controller_options=_controller_options(config, deregister_s),
-    )
-    serve.run(_build(app["import_path"], args), name=app["name"], route_prefix=app.get("route_prefix", "/"))
     url = f"http://127.0.0.1:{port}"
-    model = _wait_ready(url, headers)
+    try:
+        serve.start(
+            http_options={"host": "127.0.0.1", "port": port, **({"location": "HeadOnly"} if address else {})},
+            controller_options=_controller_options(config, deregister_s),
+        )
+        route = app.get("route_prefix", "/")
+        serve.run(_build(app["import_path"], args), name=app["name"], route_prefix=route)
+        model = _wait_ready(url, headers)
+    except BaseException:
+        stop_server()  # a Ray left running would fail every later start in this process
+        raise
     metrics_port = context.address_info["metrics_export_port"]
     return Server(
         url=url,
