@@ -140,6 +140,17 @@ def _is_serving_module(path: str) -> bool:
     return any(fnmatch.fnmatch(Path(path).name, pattern) for pattern in _SERVING_MODULES)
 
 
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Under xdist, the serving modules' processes (Ray's, Serve's, the engines') come first for the CPU:
+    Serve gives its proxy seconds to start, and the served tests wait on streams and replacements. The
+    other modules' tests and what they start run at a lower priority (nice 10), taking what is left."""
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        try:
+            os.setpriority(os.PRIO_PROCESS, 0, 0 if _is_serving_module(item.path.name) else 10)
+        except PermissionError:  # not allowed to raise it back: it stays low, which only costs time
+            pass
+
+
 _EXIT_STATUS = pytest.StashKey[int]()
 
 

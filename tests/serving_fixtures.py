@@ -165,7 +165,7 @@ def _controller_options(config: dict, deregister_s: float | None) -> dict:
     return _merge(config.get("controller_options") or {}, env)
 
 
-def _wait_ready(url: str, headers: dict, timeout_s: float = 60.0) -> str:
+def _wait_ready(url: str, headers: dict, timeout_s: float = 180.0) -> str:
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -183,7 +183,8 @@ def stop_server() -> None:
     from ray import serve
 
     _shared.clear()
-    serve.shutdown()
+    if ray.is_initialized():  # else serve.shutdown() would connect to whatever Ray it finds, or wait for one
+        serve.shutdown()
     ray.shutdown()
 
 
