@@ -32,11 +32,8 @@ LONG_TESTS := tests/test_hardening.py::test_soak_2min_w2 tests/test_serving_chao
 	tests/test_kv_offload_serving.py::test_the_benchmark_smoke_serves_w4_with_the_tier_off_and_on \
 	tests/test_serving_scaleout.py::test_losing_a_replica_loses_no_request_that_had_not_started_streaming
 
-# One pytest worker per core (pytest-xdist): the serving modules run in order on one of them, every other
-# module whole on whichever is free (tests/conftest.py, pytest_xdist_make_scheduler).
 test: .venv/.installed lint $(MODEL_DIR)/config.json
-	$(PY) -m pytest -q -p no:cacheprovider -n auto --maxprocesses 4 --dist loadfile tests \
-		$(addprefix --deselect ,$(LONG_TESTS))
+	$(PY) -m pytest -q -p no:cacheprovider tests $(addprefix --deselect ,$(LONG_TESTS))
 
 test-long: .venv/.installed $(MODEL_DIR)/config.json
 	$(PY) -m pytest -q -p no:cacheprovider $(LONG_TESTS)

@@ -3,7 +3,6 @@ once for the modules that need no server configuration of their own), and the or
 
 from __future__ import annotations
 
-import fnmatch
 import importlib.util
 import json
 import os
@@ -22,8 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # One intra-op thread for torch here and in every process the tests start (engine cores, workers): on
-# the tests' small tensors a second thread mostly spins, the same wall time for twice the CPU, and
-# `make test` runs two pytest workers on a two-core machine.
+# the tests' small tensors a second thread mostly spins, the same wall time for twice the CPU that the
+# processes a test starts (Ray's, the engine core's) could use.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
@@ -117,38 +116,6 @@ collect_ignore_glob = list(_SERVING_MODULES) if _serving_stack_missing() else []
 # The property-based tests need hypothesis (the [dev] extra), which a bare GPU host may lack too.
 if importlib.util.find_spec("hypothesis") is None:
     collect_ignore_glob += ["test_scheduler.py", "test_block_manager_stateful.py", "test_hardening*.py"]
-
-
-@pytest.hookimpl(tryfirst=True, optionalhook=True)
-def pytest_xdist_make_scheduler(config: pytest.Config, log):
-    """With pytest-xdist's `--dist loadfile` (`make test` runs a worker per core), the serving modules
-    run whole and in order on one worker: Ray hosts one Serve instance per process, and the shared
-    server assumes one server at a time. Every other module runs whole on whichever worker is free."""
-    if config.getvalue("dist") != "loadfile":
-        return None
-    from xdist.scheduler import LoadScopeScheduling
-
-    class ServingTogether(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            module = nodeid.split("::", 1)[0]
-            return "serving" if _is_serving_module(module) else module
-
-    return ServingTogether(config, log)
-
-
-def _is_serving_module(path: str) -> bool:
-    return any(fnmatch.fnmatch(Path(path).name, pattern) for pattern in _SERVING_MODULES)
-
-
-def pytest_runtest_setup(item: pytest.Item) -> None:
-    """Under xdist, the serving modules' processes (Ray's, Serve's, the engines') come first for the CPU:
-    Serve gives its proxy seconds to start, and the served tests wait on streams and replacements. The
-    other modules' tests and what they start run at a lower priority (nice 10), taking what is left."""
-    if "PYTEST_XDIST_WORKER" in os.environ:
-        try:
-            os.setpriority(os.PRIO_PROCESS, 0, 0 if _is_serving_module(item.path.name) else 10)
-        except PermissionError:  # not allowed to raise it back: it stays low, which only costs time
-            pass
 
 
 _EXIT_STATUS = pytest.StashKey[int]()

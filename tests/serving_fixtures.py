@@ -165,7 +165,7 @@ def _controller_options(config: dict, deregister_s: float | None) -> dict:
     return _merge(config.get("controller_options") or {}, env)
 
 
-def _wait_ready(url: str, headers: dict, timeout_s: float = 180.0) -> str:
+def _wait_ready(url: str, headers: dict, timeout_s: float = 60.0) -> str:
     deadline = time.monotonic() + timeout_s
     while True:
         try:
