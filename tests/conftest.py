@@ -20,11 +20,6 @@ if not torch.cuda.is_available():
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# One intra-op thread for torch here and in every process the tests start (engine cores, workers): on
-# the tests' small tensors a second thread mostly spins, the same wall time for twice the CPU that the
-# processes a test starts (Ray's, the engine core's) could use.
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 def _template_is_current(model_dir: Path) -> bool:
