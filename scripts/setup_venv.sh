@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create or refresh .venv without ever pulling CUDA torch onto a CPU machine.
 #  * If the system python already has torch (a GPU host), the venv inherits it (--system-site-packages)
-#    and pip leaves it alone, because our torch requirement is unpinned.
+#    and the installer leaves it alone, because our torch requirement is unpinned.
 #  * Otherwise we install the CPU wheel first: TORCH_SPEC (default torch==2.13.0), optionally from
 #    TORCH_INDEX_URL (e.g. https://download.pytorch.org/whl/cpu on a machine without a local wheel).
 set -euo pipefail

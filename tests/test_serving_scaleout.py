@@ -37,7 +37,7 @@ WORKLOAD = Workload(prefixes=8, prefix_len=384, users=24, turns=3, concurrency=4
 def serving(model_dir, overrides: dict, **kwargs):
     try:
         yield start_server(model_dir, overrides, **kwargs)
-    finally:  # also after a failed start: its Ray and HAProxy would hold the ports of the next one
+    finally:  # a failed start has stopped its own Ray already (start_server); this is then a no-op
         stop_server()
 
 
